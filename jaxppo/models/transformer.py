@@ -1,0 +1,250 @@
+"""Flax decoder-only LM of the Qwen2 / Llama family, and its critic (the same backbone + a scalar head).
+
+Weights are stored in Hugging Face's layout ([out, in] for projections) under Hugging Face's names,
+so checkpoint I/O and the torch bridge are a rename plus a layer index, never a transpose
+(XLA contracts either layout at the same speed). Layers are stacked on a leading `layers` axis and
+run with `nn.scan`. Every parameter carries logical axis names; the model never mentions a mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxppo.models.config import ModelConfig
+
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _normal(std: float = 0.02) -> Callable:
+    return nn.initializers.normal(stddev=std)
+
+
+def positions_from_mask(attention_mask: Int[Array, "b t"]) -> Int[Array, "b t"]:
+    """Position ids as transformers derives them for left-padded rows: 0 at the first valid token."""
+    return jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with W stored as [out, in] like torch.nn.Linear."""
+
+    features: int
+    axes: tuple[str, str]  # logical names of (out, in)
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", nn.with_logical_partitioning(_normal(), self.axes),
+                       (self.features, x.shape[-1]), self.param_dtype)
+        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), w.astype(self.dtype))
+        if self.use_bias:
+            b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[:1]),
+                           (self.features,), self.param_dtype)
+            y = y + b.astype(self.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as transformers does, then cast back to the compute dtype."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (x.shape[-1],), self.param_dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return w.astype(self.dtype) * xf.astype(self.dtype)
+
+
+class Embed(nn.Module):
+    """Token embedding [vocab, embed] named `weight` (HF's `embed_tokens.weight`)."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.weight = self.param("weight", nn.with_logical_partitioning(_normal(), ("vocab", "embed")),
+                                 (self.num_embeddings, self.features), self.param_dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight, ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.weight.astype(self.dtype))
+
+
+def rope_tables(positions: Int[Array, "b t"], inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [b, t, head_dim] in float32 (transformers' non-interleaved layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Float[Array, "b t n d"], cos: jax.Array, sin: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos[:, :, None, :].astype(x.dtype) + rotated * sin[:, :, None, :].astype(x.dtype))
+
+
+def attention_mask_4d(segment_ids: Int[Array, "b t"]) -> jax.Array:
+    """[b, 1, t, t] boolean: causal, within one segment, never to padding (segment 0).
+
+    The diagonal is always allowed so padded query rows are not empty (their outputs are ignored).
+    """
+    t = segment_ids.shape[-1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    valid_key = (segment_ids > 0)[:, None, :]
+    mask = (causal[None] & same & valid_key) | jnp.eye(t, dtype=bool)[None]
+    return mask[:, None, :, :]
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+    param_dtype: Any
+    attention_impl: str | None
+
+    @nn.compact
+    def __call__(self, x, mask, cos, sin):
+        c = self.cfg
+        b, t, _ = x.shape
+        lin = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        q = Linear(c.num_attention_heads * c.head_dim, ("heads", "embed"), c.attention_bias, name="q_proj", **lin)(x)
+        k = Linear(c.num_key_value_heads * c.head_dim, ("kv_heads", "embed"), c.attention_bias, name="k_proj", **lin)(x)
+        v = Linear(c.num_key_value_heads * c.head_dim, ("kv_heads", "embed"), c.attention_bias, name="v_proj", **lin)(x)
+        q = apply_rope(q.reshape(b, t, c.num_attention_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(b, t, c.num_key_value_heads, c.head_dim), cos, sin)
+        v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
+        q = nn.with_logical_constraint(q, ("batch", "seq", "act_heads", None))
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=self.attention_impl)
+        out = out.reshape(b, t, c.num_attention_heads * c.head_dim)
+        # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v bias does not.
+        o_bias = c.attention_bias and c.family == "llama"
+        return Linear(c.hidden_size, ("embed", "heads"), o_bias, name="o_proj", **lin)(out)
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        lin = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=c.mlp_bias)
+        gate = Linear(c.intermediate_size, ("mlp", "embed"), name="gate_proj", **lin)(x)
+        up = Linear(c.intermediate_size, ("mlp", "embed"), name="up_proj", **lin)(x)
+        h = nn.with_logical_constraint(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        return Linear(c.hidden_size, ("embed", "mlp"), name="down_proj", **lin)(h)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+    param_dtype: Any
+    attention_impl: str | None
+
+    @nn.compact
+    def __call__(self, x, mask, cos, sin):
+        c = self.cfg
+        norm = dict(eps=c.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+        h = RMSNorm(name="input_layernorm", **norm)(x)
+        x = x + Attention(c, self.dtype, self.param_dtype, self.attention_impl, name="self_attn")(h, mask, cos, sin)
+        h = RMSNorm(name="post_attention_layernorm", **norm)(x)
+        x = x + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
+        return nn.with_logical_constraint(x, ("batch", "seq", "act_embed")), None
+
+
+class Decoder(nn.Module):
+    """Embedding -> scanned decoder layers -> final norm. Returns hidden states [b, t, hidden]."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: str = "none"
+    attention_impl: str | None = None
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, self.dtype, self.param_dtype)
+        block = DecoderLayer
+        if self.remat != "none":
+            block = nn.remat(block, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
+        self.layers = nn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(c, self.dtype, self.param_dtype, self.attention_impl)
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
+
+    def __call__(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
+                 segment_ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+        """`segment_ids`: 0 for padding, k > 0 for the k-th sequence of a row (1 everywhere unpacked)."""
+        x = nn.with_logical_constraint(self.embed_tokens(input_ids), ("batch", "seq", "act_embed"))
+        cos, sin = rope_tables(positions, jnp.asarray(self.cfg.inv_freq(), jnp.float32))
+        x, _ = self.layers(x, attention_mask_4d(segment_ids), cos, sin)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Qwen2ForCausalLM / LlamaForCausalLM. `__call__` returns hidden states; `logits` applies the head,
+    so callers can chunk the [b, t, vocab] projection."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: str = "none"
+    attention_impl: str | None = None
+
+    def setup(self):
+        self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl)
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head = Linear(self.cfg.vocab_size, ("vocab", "embed"), dtype=self.dtype,
+                                  param_dtype=self.param_dtype)
+
+    def __call__(self, input_ids, positions, segment_ids):
+        return self.model(input_ids, positions, segment_ids)
+
+    def logits(self, hidden: Float[Array, "... d"]) -> Float[Array, "... v"]:
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
+
+    def forward_logits(self, input_ids, positions, segment_ids):
+        return self.logits(self(input_ids, positions, segment_ids))
+
+
+class ValueModel(nn.Module):
+    """Critic / reward model: the backbone with HF's token-classification head `score` (num_labels=1)."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: str = "none"
+    attention_impl: str | None = None
+    score_bias: bool = True
+
+    def setup(self):
+        self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl)
+        self.score = Linear(1, ("score", "embed"), self.score_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def __call__(self, input_ids, positions, segment_ids) -> Float[Array, "b t"]:
+        hidden = self.model(input_ids, positions, segment_ids)
+        return self.score(hidden)[..., 0].astype(jnp.float32)

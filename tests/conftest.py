@@ -1,0 +1,17 @@
+"""Shared fixtures. Eight host CPU devices so mesh tests run in one process (set before jax loads)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests.helpers import make_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory):
+    """A random-init Qwen2ForCausalLM (untied, q/k/v bias, GQA) saved with save_pretrained."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen"), "qwen2")
