@@ -15,3 +15,11 @@ from tests.helpers import make_hf_checkpoint  # noqa: E402
 def tiny_qwen(tmp_path_factory):
     """A random-init Qwen2ForCausalLM (untied, q/k/v bias, GQA) saved with save_pretrained."""
     return make_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """The embedded default's tiny BPE tokenizer (with chat template), saved as a HF tokenizer directory."""
+    from jaxppo.data.synthetic import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
