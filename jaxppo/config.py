@@ -1,0 +1,292 @@
+"""One typed config tree: frozen dataclasses, YAML files, dotted CLI overrides (OmegaConf structured configs).
+
+Leaf names follow verl's where the meaning is the same (docs/verl_keys.md maps them). The tree is
+never mutated at run time: sizes derived from it are computed by functions, not written back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from jaxppo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet files in verl's schema; empty: synthetic task
+    val_files: list[str] = field(default_factory=list)  # validation split; empty: synthetic task's test split
+    tokenizer: Optional[str] = None  # HF tokenizer dir; None: the model dir (or the synthetic tokenizer)
+    prompt_key: str = "prompt"  # column holding the prompt
+    prompt_format: str = "chat"  # chat (messages + chat template) | raw (a text column)
+    max_prompt_length: int = 512  # tokens, after the chat template
+    max_response_length: int = 256  # tokens generated per response
+    truncation: str = "filter"  # filter | truncate_left | error, for longer prompts
+    train_batch_size: int = 256  # prompts per PPO step
+    val_batch_size: int = 512  # prompts per validation generate call
+    shuffle: bool = True  # shuffle the training prompts each epoch (seeded)
+    seed: int = 0  # shuffling seed
+    # synthetic task (used when train_files is empty)
+    synthetic_train_size: int = 4000  # generated training problems
+    synthetic_val_size: int = 128  # generated validation problems
+    synthetic_num_operands: int = 2  # numbers per problem
+    synthetic_max_digits: int = 1  # digits per operand
+    synthetic_operators: str = "+-"  # drawn from + - *
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Optional[str] = None  # actor HF checkpoint dir; None: the embedded default's tiny random model
+    critic_path: Optional[str] = None  # critic checkpoint (token-classification layout); None: actor + new head
+    reward_model_path: Optional[str] = None  # optional reward model (token-classification) scoring responses
+    dtype: str = "bfloat16"  # compute dtype
+    param_dtype: str = "float32"  # master weights
+    remat: str = "full"  # none | full | dots
+    attention_impl: Optional[str] = None  # None: XLA (CPU) / cudnn (GPU) chosen automatically; or xla | cudnn
+    # embedded default model shape (when path is None)
+    tiny_hidden_size: int = 128  # hidden size of the embedded default model
+    tiny_num_layers: int = 2  # layers of the embedded default model
+    tiny_num_heads: int = 4  # attention heads of the embedded default model
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6  # peak learning rate
+    lr_warmup_steps: int = 0  # linear warmup (optimizer steps) from 0 to lr
+    lr_schedule: str = "constant"  # constant | cosine (after warmup)
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # global-norm gradient clipping
+    total_steps: int = 0  # optimizer steps for the cosine schedule; 0: derived from the run length
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    ppo_mini_batch_size: int = 64  # prompts per mini-batch (x rollout.n sequences)
+    ppo_micro_batch_size_per_device: int = 4  # sequences per device per micro-batch
+    ppo_epochs: int = 1  # passes over the batch per PPO step
+    shuffle: bool = True  # shuffle sequences into mini-batches
+    clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - low
+    clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + high
+    clip_ratio_c: float = 3.0  # dual clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    entropy_coeff: float = 0.0  # entropy bonus
+    use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001  # weight of the KL loss
+    kl_loss_type: str = "low_var_kl"  # KL estimator for the loss
+    tis_threshold: Optional[float] = None  # truncated IS on rollout-vs-trainer mismatch; None: off
+    logprob_chunk_size: int = 256  # response tokens per chunk of the [tokens, vocab] head
+    log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    ppo_mini_batch_size: int = 64  # prompts per mini-batch
+    ppo_micro_batch_size_per_device: int = 4  # sequences per device per micro-batch
+    ppo_epochs: int = 1  # passes over the batch per PPO step
+    shuffle: bool = True  # shuffle sequences into mini-batches
+    cliprange_value: float = 0.5  # value clipping around the old values
+    loss_agg_mode: str = "token-mean"  # as actor.loss_agg_mode
+    log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "hf"  # hf | vllm
+    n: int = 1  # responses per prompt
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = -1  # -1: off
+    val_temperature: float = 0.0  # 0: greedy validation
+    gpu_memory_utilization: float = 0.5  # vLLM's share of the card (GPU memory plan)
+    enforce_eager: bool = False  # vLLM: no CUDA graphs
+    free_cache_engine: bool = True  # sleep the engine during training (GPU)
+
+
+@dataclass(frozen=True)
+class KLCtrlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001  # beta (initial for adaptive)
+    target_kl: float = 0.1  # adaptive target
+    horizon: int = 10000  # adaptive horizon (samples)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce_plus_plus
+    gamma: float = 1.0  # discount
+    lam: float = 1.0  # GAE lambda
+    norm_adv_by_std_in_grpo: bool = True  # False: Dr.GRPO
+    use_kl_in_reward: bool = False  # KL penalty in the token rewards
+    kl_penalty: str = "kl"  # estimator for the in-reward KL
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # data-parallel replicas (-1: fill)
+    fsdp: int = 1  # parameter sharding (ZeRO-3)
+    tensor: int = 1  # tensor parallel
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_epochs: int = 1  # passes over the training prompts
+    total_training_steps: Optional[int] = None  # overrides total_epochs when set
+    save_freq: int = -1  # checkpoint every N steps (-1: only at the end)
+    test_freq: int = -1  # validate every N steps (-1: never)
+    val_before_train: bool = True  # validate before the first step
+    max_to_keep: int = 2  # checkpoints kept
+    resume_mode: str = "auto"  # auto | disable | <checkpoint path>
+    default_local_dir: str = "runs/default"  # run directory (checkpoints, metrics, config)
+    project_name: str = "jaxppo"  # for loggers
+    experiment_name: str = "default"  # for loggers
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])  # + wandb
+    seed: int = 0  # rollout sampling and init seed
+    critic_warmup: int = 0  # steps updating only the critic
+    sft_warmup_steps: int = 0  # supervised warm start steps on extra_info.answer (synthetic task)
+    sft_lr: float = 1e-3  # learning rate of the warm start
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _key_list() -> list[str]:
+    import typing
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            name = prefix + f.name
+            yield name
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from walk(hints[f.name], name + ".")
+
+    return list(walk(Config, ""))
+
+
+def _suggest(key: str) -> str:
+    keys = _key_list()
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+    leaf = key.rsplit(".", 1)[-1]
+    close += [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k not in close]
+    return f"; did you mean {', '.join(close[:3])}?" if close else ""
+
+
+def _to_dataclass(cls, data: Any):
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if dataclasses.is_dataclass(hints[f.name]):
+            value = _to_dataclass(hints[f.name], value)
+        elif isinstance(value, list) and typing.get_origin(hints[f.name]) is tuple:
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- dotted `key=value` overrides, type-checked; errors are `ConfigError`."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    base = OmegaConf.structured(Config)
+    try:
+        layers = [base]
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"{p}: config file not found")
+            layers.append(OmegaConf.load(p))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not key=value")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+    except (ConfigKeyError, AttributeError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        raise ConfigError(f"unknown config key {key!r}{_suggest(str(key))}") from None
+    except ValidationError as e:
+        raise ConfigError(f"config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {e}") from None
+    cfg = _to_dataclass(Config, OmegaConf.to_container(merged, resolve=True))
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Invalid combinations, caught before any work starts."""
+    from jaxppo.data import TRUNCATION_MODES
+    from jaxppo.ppo import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+
+    def check(ok: bool, msg: str):
+        if not ok:
+            raise ConfigError(msg)
+
+    a, c, d, r = cfg.actor, cfg.critic, cfg.data, cfg.rollout
+    check(d.train_batch_size > 0, "data.train_batch_size must be positive")
+    for name, sub in (("actor", a), ("critic", c)):
+        check(sub.ppo_mini_batch_size <= d.train_batch_size,
+              f"{name}.ppo_mini_batch_size ({sub.ppo_mini_batch_size}) is larger than data.train_batch_size "
+              f"({d.train_batch_size})")
+        check(d.train_batch_size % sub.ppo_mini_batch_size == 0,
+              f"{name}.ppo_mini_batch_size ({sub.ppo_mini_batch_size}) does not divide data.train_batch_size "
+              f"({d.train_batch_size})")
+        check(sub.loss_agg_mode in LOSS_AGG_MODES, f"{name}.loss_agg_mode {sub.loss_agg_mode!r} unknown; known: "
+              f"{list(LOSS_AGG_MODES)}")
+        check(sub.ppo_epochs >= 1, f"{name}.ppo_epochs must be >= 1")
+    check(cfg.algorithm.adv_estimator in ADVANTAGE_ESTIMATORS, f"algorithm.adv_estimator "
+          f"{cfg.algorithm.adv_estimator!r} unknown; known: {ADVANTAGE_ESTIMATORS.names()}")
+    check(cfg.algorithm.kl_penalty in KL_ESTIMATORS and cfg.algorithm.kl_penalty != "full",
+          f"algorithm.kl_penalty {cfg.algorithm.kl_penalty!r} unknown; known: "
+          f"{[k for k in KL_ESTIMATORS.names() if k != 'full']}")
+    check(a.kl_loss_type in KL_ESTIMATORS, f"actor.kl_loss_type {a.kl_loss_type!r} unknown; known: "
+          f"{KL_ESTIMATORS.names()}")
+    check(cfg.algorithm.kl_ctrl.type in ("fixed", "adaptive"), "algorithm.kl_ctrl.type must be fixed or adaptive")
+    check(d.truncation in TRUNCATION_MODES, f"data.truncation {d.truncation!r} unknown; known: {list(TRUNCATION_MODES)}")
+    check(r.n >= 1, "rollout.n must be >= 1")
+    check(cfg.model.remat in ("none", "full", "dots"), f"model.remat {cfg.model.remat!r} unknown; known: "
+          "['dots', 'full', 'none']")
+    if num_devices is not None:
+        from jaxppo.sharding import resolve_mesh_shape
+
+        sizes = resolve_mesh_shape(dataclasses.asdict(cfg.mesh), num_devices)
+        batch_shards = sizes["data"] * sizes["fsdp"]
+        for name, sub in (("actor", a), ("critic", c)):
+            micro = sub.ppo_micro_batch_size_per_device * batch_shards
+            seqs = sub.ppo_mini_batch_size * r.n
+            check(seqs % micro == 0, f"{name}.ppo_micro_batch_size_per_device ({sub.ppo_micro_batch_size_per_device})"
+                  f" x {batch_shards} batch shards = {micro} sequences does not divide the mini-batch of "
+                  f"{seqs} sequences ({name}.ppo_mini_batch_size x rollout.n)")

@@ -1,0 +1,291 @@
+"""Jitted, sharded steps: response log-probs / values, and actor / critic updates.
+
+A batch is a dict of arrays with a leading batch axis, sharded over (data, fsdp):
+  input_ids, attention_mask, positions   [b, p + r]  prompt (left-padded) + response (right-padded);
+                                          attention_mask holds segment ids (0 = padding)
+  response_mask                          [b, r]      1 on generated tokens
+  old_logprobs, advantages, ref_logprobs, is_weights, values, returns   [b, r]  as each step needs
+Log-prob and value of response token j are read at position p + j - 1 (the state before the token).
+
+One update = one mini-batch = one compiled program: micro-batches are accumulated inside a
+`lax.scan`, every micro-batch loss normalised by the mini-batch's token / sequence counts so their
+sum is the mini-batch loss for every `loss_agg_mode`; then global-norm clipping and AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxppo import ppo
+from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
+from jaxppo.sharding import activation_rules, batch_sharding
+
+Batch = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array  # optimizer steps taken
+
+
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to lr over lr_warmup_steps, then constant or cosine down to min_lr_ratio * lr."""
+    warm = max(cfg.lr_warmup_steps, 0)
+    if cfg.lr_schedule == "constant":
+        after = optax.constant_schedule(cfg.lr)
+    elif cfg.lr_schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, max(total_steps - warm, 1), alpha=cfg.min_lr_ratio)
+    else:
+        raise ValueError(f"lr_schedule {cfg.lr_schedule!r} unknown; known: ['constant', 'cosine']")
+    if warm == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), after], [warm])
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = lr_schedule(cfg, total_steps)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                     optax.adamw(schedule, b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay))
+    return tx, schedule
+
+
+def split_micro(batch: Batch, n_micro: int, mesh: Mesh) -> Batch:
+    """[b, ...] -> [n_micro, b / n_micro, ...], each micro-batch spread over all batch shards (strided)."""
+
+    def one(x):
+        b = x.shape[0]
+        y = jnp.swapaxes(x.reshape((b // n_micro, n_micro) + x.shape[1:]), 0, 1)
+        spec = P(None, ("data", "fsdp"), *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, batch)
+
+
+def merge_micro(x: jax.Array) -> jax.Array:
+    """Inverse of `split_micro` for one array."""
+    n, m = x.shape[:2]
+    return jnp.swapaxes(x, 0, 1).reshape((n * m,) + x.shape[2:])
+
+
+def _chunks(x: jax.Array, size: int) -> jax.Array:
+    """[b, r, ...] -> [n_chunks, b, size, ...], zero-padded at the end."""
+    b, r = x.shape[:2]
+    n = -(-r // size)
+    x = jnp.pad(x, [(0, 0), (0, n * size - r)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape((b, n, size) + x.shape[2:]), 1, 0)
+
+
+def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_length: int, chunk_size: int,
+                      with_entropy: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Log-probs (and entropies) of the response tokens, [b, r] float32. The vocabulary projection runs
+    over chunks of `chunk_size` response tokens under remat, so no [b, r, vocab] float32 tensor is
+    ever materialised, forward or backward."""
+    r = response_length
+    hidden = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"])
+    h = _chunks(hidden[:, -r - 1:-1], chunk_size)
+    targets = _chunks(batch["input_ids"][:, -r:], chunk_size)
+
+    @jax.checkpoint
+    def one(h_c, t_c):
+        logits = module.apply({"params": params}, h_c, method="logits").astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        lp = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0] - lse
+        ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if with_entropy else jnp.zeros_like(lp)
+        return lp, ent
+
+    lp, ent = jax.lax.map(lambda xs: one(*xs), (h, targets))
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)[:, :r]
+    return unchunk(lp), unchunk(ent)
+
+
+def response_values(module: nn.Module, params: Any, batch: Batch, response_length: int) -> jax.Array:
+    """Critic values at the states before each response token, [b, r] float32."""
+    values = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"])
+    return values[:, -response_length - 1:-1]
+
+
+def _norms(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.sum(mask), jnp.sum(jnp.any(mask > 0, axis=-1))
+
+
+@dataclasses.dataclass
+class _Base:
+    """What the actor and critic engines share: mesh, jit plumbing, train state, micro-batch scans."""
+
+    module: nn.Module
+    mesh: Mesh
+    response_length: int
+    optim: OptimConfig
+    total_steps: int
+    micro_batch_per_device: int
+    forward_micro_batch_per_device: int
+
+    def __post_init__(self):
+        self.tx, self.schedule = make_optimizer(self.optim, self.total_steps)
+        self.batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self._update_jit = None
+        self._forward_jit = None
+
+    def _ctx(self):
+        """Mesh + logical rules for the activation constraints inside the model (needed at trace time)."""
+        return _Ctx(self.mesh)
+
+    def init_state(self, params: Any) -> TrainState:
+        with self._ctx():
+            opt_state = jax.jit(self.tx.init)(params)
+        return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+
+    def _n_micro(self, b: int, per_device: int) -> int:
+        micro = per_device * self.batch_shards
+        if b % micro:
+            raise ValueError(f"batch of {b} sequences is not a multiple of the micro-batch "
+                             f"({per_device} per device x {self.batch_shards} batch shards = {micro})")
+        return b // micro
+
+    def _forward_map(self, fn: Callable, params: Any, batch: Batch) -> Any:
+        """`fn(params, micro_batch)` over forward micro-batches with lax.map; outputs re-merged [b, ...]."""
+        n = self._n_micro(batch["input_ids"].shape[0], self.forward_micro_batch_per_device)
+        out = jax.lax.map(lambda mb: fn(params, mb), split_micro(batch, n, self.mesh))
+        return jax.tree.map(merge_micro, out)
+
+    def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
+        """Sum gradients of micro-batch losses (already normalised by mini-batch counts) in one scan,
+        then one clipped AdamW step. Metrics are summed over micro-batches (they are normalised alike)."""
+        n = self._n_micro(minibatch["input_ids"].shape[0], self.micro_batch_per_device)
+        num_tokens, num_seqs = _norms(minibatch["response_mask"])
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def body(acc, mb):
+            (loss, metrics), grads = grad_fn(state.params, mb, num_tokens, num_seqs)
+            return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, (losses, metrics) = jax.lax.scan(body, zeros, split_micro(minibatch, n, self.mesh))
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = jax.tree.map(jnp.sum, metrics)
+        metrics.update(loss=jnp.sum(losses), grad_norm=grad_norm, lr=self.schedule(state.step))
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    def update(self, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
+        """One optimizer step on a mini-batch (the state's buffers are donated)."""
+        if self._update_jit is None:
+            self._update_jit = jax.jit(lambda s, b: self._accumulate(self._loss, s, b), donate_argnums=0)
+        with self._ctx():
+            return self._update_jit(state, minibatch)
+
+    def shard_batch(self, batch: dict[str, np.ndarray]) -> Batch:
+        """Host arrays -> global arrays sharded over (data, fsdp) (this process's rows when multi-process)."""
+        out = {}
+        for k, v in batch.items():
+            sharding = batch_sharding(self.mesh, np.ndim(v))
+            if jax.process_count() > 1:
+                out[k] = jax.make_array_from_process_local_data(sharding, np.asarray(v))
+            else:
+                out[k] = jax.device_put(np.asarray(v), sharding)
+        return out
+
+
+class _Ctx:
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def __enter__(self):
+        self._rules = nn.logical_axis_rules(activation_rules(self.mesh))
+        self._mesh = jax.set_mesh(self.mesh)
+        self._rules.__enter__()
+        self._mesh.__enter__()
+
+    def __exit__(self, *exc):
+        self._mesh.__exit__(*exc)
+        self._rules.__exit__(*exc)
+
+
+class ActorEngine(_Base):
+    """The policy: response log-probs (old / ref / current) and the PPO actor update."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh, cfg: ActorConfig, response_length: int, total_steps: int = 1):
+        self.cfg = cfg
+        super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
+                         cfg.log_prob_micro_batch_size_per_device)
+
+    def _logprobs(self, params, batch, with_entropy=True):
+        return response_logprobs(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
+                                 with_entropy)
+
+    def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
+        """Per-token log-probs (and entropies, zeros unless asked) of the response tokens, [b, r]."""
+        if self._forward_jit is None:
+            self._forward_jit = jax.jit(
+                lambda p, b, e: self._forward_map(lambda pp, mb: self._logprobs(pp, mb, e), p, b), static_argnums=2)
+        with self._ctx():
+            return self._forward_jit(params, batch, with_entropy)
+
+    def _loss(self, params, mb, num_tokens, num_seqs):
+        c = self.cfg
+        mask = mb["response_mask"]
+        norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.response_length)
+        logprob, entropy = self._logprobs(params, mb)
+        pg_loss, metrics = ppo.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask, c.clip_ratio_low,
+                                           c.clip_ratio_high, c.clip_ratio_c, c.loss_agg_mode,
+                                           is_weights=mb.get("is_weights"), **norm)
+        if c.entropy_coeff == 0:
+            entropy = jax.lax.stop_gradient(entropy)
+        entropy_loss = ppo.agg_loss(entropy, mask, c.loss_agg_mode, **norm)
+        loss = pg_loss - c.entropy_coeff * entropy_loss
+        metrics = dict(metrics, pg_loss=pg_loss,
+                       entropy=ppo.agg_loss(jax.lax.stop_gradient(entropy), mask, "token-mean", num_tokens=num_tokens))
+        if c.use_kl_loss:
+            kl = ppo.kl_penalty(logprob, mb["ref_logprobs"], c.kl_loss_type)
+            kl_loss = ppo.agg_loss(kl, mask, c.loss_agg_mode, **norm)
+            loss = loss + c.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = jax.lax.stop_gradient(kl_loss)
+        return loss, metrics
+
+
+class CriticEngine(_Base):
+    """The value model: values of the response states and the clipped value-loss update."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh, cfg: CriticConfig, response_length: int, total_steps: int = 1):
+        self.cfg = cfg
+        super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
+                         cfg.log_prob_micro_batch_size_per_device)
+
+    def values(self, params: Any, batch: Batch) -> jax.Array:
+        if self._forward_jit is None:
+            self._forward_jit = jax.jit(lambda p, b: self._forward_map(
+                lambda pp, mb: response_values(self.module, pp, mb, self.response_length), p, b))
+        with self._ctx():
+            return self._forward_jit(params, batch)
+
+    def _loss(self, params, mb, num_tokens, num_seqs):
+        vpreds = response_values(self.module, params, mb, self.response_length)
+        mask = mb["response_mask"]
+        loss, metrics = ppo.value_loss(vpreds, mb["values"], mb["returns"], mask, self.cfg.cliprange_value,
+                                       self.cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                       horizon=self.response_length)
+        metrics = dict(metrics, vf_loss=loss,
+                       vpred_mean=ppo.agg_loss(jax.lax.stop_gradient(vpreds), mask, "token-mean", num_tokens=num_tokens))
+        return loss, metrics
+
+
+def count_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls + 12 * layers * hidden * seq for attention (PaLM)."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+
+
+__all__ = ["TrainState", "ActorEngine", "CriticEngine", "make_optimizer", "lr_schedule", "response_logprobs",
+           "response_values", "split_micro", "merge_micro", "count_flops_per_token"]
