@@ -88,10 +88,11 @@ def _chunks(x: jax.Array, size: int) -> jax.Array:
 
 
 def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_length: int, chunk_size: int,
-                      with_entropy: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Log-probs (and entropies) of the response tokens, [b, r] float32. The vocabulary projection runs
-    over chunks of `chunk_size` response tokens under remat, so no [b, r, vocab] float32 tensor is
-    ever materialised, forward or backward."""
+                      with_entropy: bool = True, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Log-probs (and entropies) of the response tokens under softmax(logits / temperature), [b, r]
+    float32 (the distribution the rollout engine samples from). The vocabulary projection runs over
+    chunks of `chunk_size` response tokens under remat, so no [b, r, vocab] float32 tensor is ever
+    materialised, forward or backward."""
     r = response_length
     hidden = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"])
     h = _chunks(hidden[:, -r - 1:-1], chunk_size)
@@ -100,6 +101,8 @@ def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_len
     @jax.checkpoint
     def one(h_c, t_c):
         logits = module.apply({"params": params}, h_c, method="logits").astype(jnp.float32)
+        if temperature != 1.0:
+            logits = logits / temperature
         lse = jax.nn.logsumexp(logits, axis=-1)
         lp = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0] - lse
         ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if with_entropy else jnp.zeros_like(lp)
@@ -217,14 +220,16 @@ class _Ctx:
 class ActorEngine(_Base):
     """The policy: response log-probs (old / ref / current) and the PPO actor update."""
 
-    def __init__(self, module: nn.Module, mesh: Mesh, cfg: ActorConfig, response_length: int, total_steps: int = 1):
+    def __init__(self, module: nn.Module, mesh: Mesh, cfg: ActorConfig, response_length: int, total_steps: int = 1,
+                 temperature: float = 1.0):
         self.cfg = cfg
+        self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: plain log-probs
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
                          cfg.log_prob_micro_batch_size_per_device)
 
     def _logprobs(self, params, batch, with_entropy=True):
         return response_logprobs(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
-                                 with_entropy)
+                                 with_entropy, self.temperature)
 
     def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
         """Per-token log-probs (and entropies, zeros unless asked) of the response tokens, [b, r]."""

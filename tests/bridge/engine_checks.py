@@ -1,0 +1,84 @@
+"""Checks every rollout engine must pass (shared by the hf and vllm engine tests)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bridge.dlpack import iter_hf_arrays
+from jaxppo.config import ActorConfig
+from jaxppo.data import left_pad
+from jaxppo.engine import ActorEngine
+from jaxppo.rollout import Sampling, train_sequences
+from jaxppo.sharding import make_mesh
+
+MAX_TOKENS = 6
+
+
+def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in (5, 3, 7)]
+
+
+def trainer_logprobs(module, params, prompt_ids, rollouts, temperature):
+    ids, mask = left_pad([np.asarray(p) for p in prompt_ids], 0)
+    batch = train_sequences(ids, mask, rollouts)
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    n = batch["input_ids"].shape[0]
+    actor = ActorEngine(module, mesh, ActorConfig(log_prob_micro_batch_size_per_device=n, logprob_chunk_size=4),
+                        rollouts.response_ids.shape[1], temperature=temperature)
+    lp, _ = actor.logprobs(params, actor.shard_batch(batch))
+    return np.asarray(lp)
+
+
+def check_logprobs_match_trainer(engine, module, params, vocab, temperature=0.7, tol=1e-4):
+    engine.update_weights(iter_hf_arrays(params, jnp.float32))
+    p = prompts(vocab)
+    ro = engine.generate(p, Sampling(n=2, temperature=temperature, max_tokens=MAX_TOKENS, seed=1))
+    assert ro.response_ids.shape == (6, MAX_TOKENS) and ro.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    ours = trainer_logprobs(module, params, p, ro, temperature)
+    m = ro.response_mask > 0
+    assert m.sum() > 6
+    diff = np.abs(ours - ro.logprobs)[m]
+    assert diff.max() <= tol, diff.max()
+    return ro
+
+
+def check_update_changes_outputs(engine, params, vocab):
+    p = prompts(vocab)
+    s = Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    engine.update_weights(iter_hf_arrays(params, jnp.float32))
+    before = engine.generate(p, s)
+    again = engine.generate(p, s)
+    np.testing.assert_array_equal(before.logprobs, again.logprobs)
+    scaled = jax.tree.map(lambda x: x * 1.5, params)
+    engine.update_weights(iter_hf_arrays(scaled, jnp.float32))
+    after = engine.generate(p, s)
+    assert np.abs(after.logprobs - before.logprobs).max() > 1e-3  # no stale weights / prefix cache
+    engine.update_weights(iter_hf_arrays(params, jnp.float32))
+
+
+def check_seed_and_n(engine, vocab):
+    p = prompts(vocab)
+    s = Sampling(n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=123)
+    a, b = engine.generate(p, s), engine.generate(p, s)
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    c = engine.generate(p, Sampling(n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=124))
+    assert (a.response_ids != c.response_ids).any()
+    for prompt in range(3):  # n distinct samples per prompt
+        rows = {tuple(r) for r in a.response_ids[a.prompt_index == prompt].tolist()}
+        assert len(rows) == 4
+
+
+def check_eos_stops(engine, vocab):
+    p = prompts(vocab)
+    s = Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    free = engine.generate(p, s)
+    assert free.finish_reasons == ["length"] * 3 and (free.lengths == MAX_TOKENS).all()
+    stop_id = int(free.response_ids[0, 2])
+    stopped = engine.generate(p, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=(stop_id,)))
+    first = int(np.argmax(free.response_ids[0] == stop_id))
+    assert stopped.finish_reasons[0] == "stop" and stopped.lengths[0] == first + 1
+    assert stopped.response_mask[0, : first + 1].all() and not stopped.response_mask[0, first + 1:].any()
+    assert stopped.response_ids[0, first] == stop_id
