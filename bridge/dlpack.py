@@ -3,8 +3,9 @@
 `to_torch(x)` waits for `x` to be computed, then hands its buffer to torch: same memory, same pointer
 (asserted in the tests). An array sharded over several devices is first gathered onto one device
 (one parameter at a time, so the peak extra memory is one parameter). A torch view must not outlive
-the JAX buffer's owner's next donation: `iter_torch_weights` produces fresh buffers (cast / layer
-slice on device) that the train state never donates, and is meant to be consumed during one update.
+the JAX buffer's owner's next donation: `iter_torch_weights` (over `jaxppo.models.hf_io.export_hf_arrays`)
+produces fresh buffers (cast / layer slice on device) that the train state never donates, and is meant
+to be consumed during one update.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jaxppo.models.hf_io import hf_name, is_stacked
+from jaxppo.models.hf_io import export_hf_arrays as iter_hf_arrays
 
 
 def _local_single_device(x: jax.Array) -> jax.Array:
@@ -41,29 +42,6 @@ def to_torch(x: jax.Array) -> torch.Tensor:
 def jax_pointer(x: jax.Array) -> int:
     """Device address of a single-device JAX array's buffer (for zero-copy assertions)."""
     return x.addressable_shards[0].data.unsafe_buffer_pointer()
-
-
-def _fresh(a: jax.Array, dtype: Any) -> jax.Array:
-    # an astype to the same dtype is the identity, and jit would forward the input buffer itself
-    return a.astype(dtype) if dtype is not None and a.dtype != dtype else a + jnp.zeros((), a.dtype)
-
-
-_export_layer = jax.jit(lambda x, i, dtype: _fresh(x[i], dtype), static_argnums=2)
-_export = jax.jit(_fresh, static_argnums=1)
-
-
-def iter_hf_arrays(params: Any, dtype: Any = None) -> Iterator[tuple[str, jax.Array]]:
-    """(HF name, fresh JAX array) per tensor: stacked layers sliced one layer at a time and cast on
-    device; never a buffer of the train state itself (those are donated by the next update)."""
-    from flax import traverse_util
-
-    dtype = None if dtype is None else jnp.dtype(dtype)
-    for path, value in traverse_util.flatten_dict(params).items():
-        if is_stacked(path):
-            for i in range(value.shape[0]):
-                yield hf_name(path, i), _export_layer(value, i, dtype)
-        else:
-            yield hf_name(path), _export(value, dtype)
 
 
 def iter_torch_weights(params: Any, dtype: Any = jnp.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:

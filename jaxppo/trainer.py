@@ -1,0 +1,330 @@
+"""The PPO loop: rollout -> rewards -> old / ref log-probs, values -> advantages -> critic and actor
+updates -> weight sync, with `timing_s/*` for each phase and verl's metric names."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxppo import ppo
+from jaxppo.checkpoint import RunCheckpointer, restore_from
+from jaxppo.config import Config, to_yaml
+from jaxppo.data import ResumableSampler, left_pad
+from jaxppo.engine import ActorEngine, CriticEngine
+from jaxppo.metrics import MetricsLogger, stats
+from jaxppo.models import load_model, save_hf_checkpoint
+from jaxppo.models.hf_io import export_hf_arrays
+from jaxppo.perf import measure_matmul_peak, train_flops_per_token
+from jaxppo.rewards import score_batch
+from jaxppo.rollout import RolloutEngine, Sampling, train_sequences
+from jaxppo.setup import DTYPES, attention_impl, engine_dtype, prepare_data, prepare_model_dir
+from jaxppo.sharding import make_mesh
+from jaxppo.warmstart import sft_warm_start
+
+log = logging.getLogger(__name__)
+EngineFactory = Callable[[Path, Any], RolloutEngine]
+
+
+class Timer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        with jax.profiler.TraceAnnotation(name):
+            yield
+        self.times[f"timing_s/{name}"] = self.times.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
+
+
+def _mean_metrics(items: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    keys = items[0].keys() if items else []
+    return {f"{prefix}/{k}": float(np.mean([float(m[k]) for m in items])) for k in keys}
+
+
+class PPOTrainer:
+    def __init__(self, cfg: Config, engine_factory: EngineFactory):
+        self.cfg = cfg
+        t = cfg.trainer
+        self.run_dir = Path(t.default_local_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.mesh = make_mesh(dataclasses.asdict(cfg.mesh))
+        self.tokenizer, self.tokenizer_dir, self.train_ds, self.val_ds = prepare_data(cfg, self.run_dir)
+        self.model_dir = prepare_model_dir(cfg, self.run_dir, self.tokenizer)
+        self.n, self.R, self.P = cfg.rollout.n, cfg.data.max_response_length, cfg.data.max_prompt_length
+        self.sampler = ResumableSampler(len(self.train_ds), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        self.eos_ids = tuple(sorted({self.tokenizer.eos_token_id}))
+        self.engine_dtype = engine_dtype(cfg)
+        # the rollout engine starts before JAX allocates anything: vLLM checks at start that its share of
+        # the card is free (JAX grows into the rest; see docs/memory.md)
+        self.engine = engine_factory(self.model_dir, self)
+        self.engine.sleep()
+
+        kw = dict(mesh=self.mesh, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
+                  remat=cfg.model.remat, attention_impl=attention_impl(cfg))
+        self.actor_module, actor_params, self.model_cfg = load_model(self.model_dir, **kw)
+        a, c = cfg.actor, cfg.critic
+        n_seq = cfg.data.train_batch_size * self.n
+        steps_per = lambda sub: sub.ppo_epochs * (cfg.data.train_batch_size // sub.ppo_mini_batch_size)
+        self.actor = ActorEngine(self.actor_module, self.mesh, a, self.R,
+                                 a.optim.total_steps or self.total_steps * steps_per(a), cfg.rollout.temperature)
+        self.warm_dir = self.run_dir / "warm_model"
+        if t.sft_warmup_steps > 0 and not (self.warm_dir / "config.json").is_file():
+            actor_params = sft_warm_start(self, actor_params)
+            save_hf_checkpoint(actor_params, self.model_cfg, self.warm_dir)
+        start_dir = self.warm_dir if (self.warm_dir / "config.json").is_file() else self.model_dir
+        if start_dir != self.model_dir:
+            _, actor_params, _ = load_model(start_dir, **kw)
+        self.use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref_params = jax.tree.map(jnp.copy, actor_params) if self.use_ref else None
+        self.actor_state = self.actor.init_state(actor_params)
+        self.use_critic = cfg.algorithm.adv_estimator == "gae"
+        if self.use_critic:
+            self.critic_module, critic_params, _ = load_model(cfg.model.critic_path or start_dir, "value",
+                                                              rng=jax.random.PRNGKey(t.seed + 1), **kw)
+            self.critic = CriticEngine(self.critic_module, self.mesh, c, self.R,
+                                       c.optim.total_steps or self.total_steps * steps_per(c))
+            self.critic_state = self.critic.init_state(critic_params)
+        self.kl_coef = cfg.algorithm.kl_ctrl.kl_coef
+        self.step = 0
+        self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", t.max_to_keep)
+        self._maybe_resume()
+        self.peak_flops = measure_matmul_peak()
+        self.flops_per_token = train_flops_per_token(self.model_cfg, self.P + self.R)
+        log.info("run dir %s: %d train prompts, %d steps, %d sequences per step", self.run_dir, len(self.train_ds),
+                 self.total_steps, n_seq)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _states(self) -> dict[str, Any]:
+        states = {"actor": self.actor_state}
+        if self.use_critic:
+            states["critic"] = self.critic_state
+        return states
+
+    def _meta(self) -> dict[str, Any]:
+        return {"step": self.step, "kl_coef": float(self.kl_coef), "sampler": self.sampler.state(),
+                "seed": self.cfg.trainer.seed}
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.step, self._states(), self._meta())
+        log.info("checkpoint saved: %s/%d", self.checkpointer.directory, self.step)
+
+    def _maybe_resume(self) -> None:
+        mode = self.cfg.trainer.resume_mode
+        if mode == "disable":
+            return
+        if mode == "auto":
+            step = self.checkpointer.latest_step()
+            if step is None:
+                return
+            states, meta = self.checkpointer.restore(step, self._states())
+        else:
+            step, states, meta = restore_from(mode, self._states())
+        self.actor_state = states["actor"]
+        if self.use_critic:
+            self.critic_state = states["critic"]
+        self.step, self.kl_coef = int(meta["step"]), float(meta["kl_coef"])
+        self.sampler.load_state(meta["sampler"])
+        log.info("resumed from step %d", self.step)
+
+    # ------------------------------------------------------------------ phases
+
+    def sync_weights(self) -> None:
+        """Push the actor's current weights into the (awake) rollout engine. Done at every wake: a
+        sleeping engine may have dropped its weights (vLLM sleep level 2), and the push is cheap."""
+        self.engine.update_weights(export_hf_arrays(self.actor_state.params, DTYPES[self.engine_dtype]))
+
+    def generate(self, prompt_ids: list[np.ndarray], sampling: Sampling, timer: Timer | None = None):
+        """wake -> push weights -> generate -> sleep, each phase timed (timing_s/wake, sync, gen, sleep)."""
+        timer = timer or Timer()
+        with timer("wake"):
+            self.engine.wake()
+        with timer("sync"):
+            self.sync_weights()
+        try:
+            with timer("gen"):
+                return self.engine.generate([p.tolist() for p in prompt_ids], sampling)
+        finally:
+            with timer("sleep"):
+                self.engine.sleep()
+
+    def decode(self, rollouts) -> list[str]:
+        return [self.tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
+                for ids, n in zip(rollouts.response_ids, rollouts.lengths)]
+
+    def score(self, rows: np.ndarray, rollouts) -> tuple[np.ndarray, int]:
+        ds = self.train_ds
+        src = rows[rollouts.prompt_index]
+        res = score_batch([ds.data_source[i] for i in src], self.decode(rollouts), [ds.ground_truth[i] for i in src],
+                          [ds.extra_info[i] for i in src])
+        return res.scores, res.num_errors + res.num_timeouts
+
+    def _advantages(self, token_scores, old_lp, ref_lp, values, rmask, group_ids):
+        alg = self.cfg.algorithm
+        metrics = {}
+        rewards = token_scores
+        if alg.use_kl_in_reward:
+            rewards, current_kl = ppo.apply_kl_penalty(token_scores, old_lp, ref_lp, rmask, self.kl_coef,
+                                                       alg.kl_penalty)
+            metrics["actor/reward_kl_penalty"] = float(current_kl)
+            self.kl_coef = float(ppo.update_kl_coef(ppo.KLControlConfig(**dataclasses.asdict(alg.kl_ctrl)),
+                                                    self.kl_coef, float(current_kl), len(group_ids)))
+        adv, ret = ppo.compute_advantages(alg.adv_estimator, jnp.asarray(rewards), jnp.asarray(rmask),
+                                          values=None if values is None else jnp.asarray(values),
+                                          group_ids=jnp.asarray(group_ids), gamma=alg.gamma, lam=alg.lam,
+                                          norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        return np.asarray(rewards), np.asarray(adv), np.asarray(ret), metrics
+
+    def _update(self, engine, state, batch: dict[str, np.ndarray], sub, seed: int):
+        """ppo_epochs x mini-batches of `batch` (host arrays); returns the new state and mean metrics."""
+        n = batch["input_ids"].shape[0]
+        mb = sub.ppo_mini_batch_size * self.n
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(sub.ppo_epochs):
+            order = rng.permutation(n) if sub.shuffle else np.arange(n)
+            for start in range(0, n, mb):
+                rows = order[start:start + mb]
+                state, m = engine.update(state, engine.shard_batch({k: v[rows] for k, v in batch.items()}))
+                out.append(m)
+        return state, jax.device_get(out)
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self) -> dict[str, float]:
+        cfg, timer = self.cfg, Timer()
+        metrics: dict[str, float] = {}
+        with timer("step"):
+            rows = self.sampler.next_batch()
+            prompts = [self.train_ds.input_ids[i] for i in rows]
+            sampling = Sampling(n=self.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                top_k=cfg.rollout.top_k, max_tokens=self.R,
+                                seed=cfg.trainer.seed * 1_000_003 + self.step)
+            ro = self.generate(prompts, sampling, timer)
+            with timer("reward"):
+                scores, reward_errors = self.score(rows, ro)
+            p_ids, p_mask = left_pad(prompts, self.tokenizer.pad_token_id, self.P)
+            batch = train_sequences(p_ids, p_mask, ro)
+            rmask = batch["response_mask"]
+            sharded = self.actor.shard_batch(batch)
+            with timer("old_log_prob"):
+                old_lp = np.asarray(self.actor.logprobs(self.actor_state.params, sharded)[0])
+            ref_lp = None
+            if self.use_ref:
+                with timer("ref"):
+                    ref_lp = np.asarray(self.actor.logprobs(self.ref_params, sharded)[0])
+            values = None
+            if self.use_critic:
+                with timer("values"):
+                    values = np.asarray(self.critic.values(self.critic_state.params, sharded))
+            with timer("adv"):
+                token_scores = np.asarray(ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask)))
+                rewards, adv, ret, kl_metrics = self._advantages(token_scores, old_lp, ref_lp, values, rmask,
+                                                                 ro.prompt_index)
+            metrics.update(kl_metrics)
+            batch.update(old_logprobs=old_lp, advantages=adv)
+            if ref_lp is not None:
+                batch["ref_logprobs"] = ref_lp
+            if cfg.actor.tis_threshold is not None:
+                batch["is_weights"] = np.asarray(ppo.truncated_is_weights(old_lp, ro.logprobs, rmask,
+                                                                          cfg.actor.tis_threshold))
+            if self.use_critic:
+                with timer("update_critic"):
+                    cbatch = {k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}
+                    cbatch.update(values=values, returns=ret)
+                    self.critic_state, cm = self._update(self.critic, self.critic_state, cbatch, cfg.critic,
+                                                         cfg.trainer.seed + 7919 * self.step)
+                metrics.update(_mean_metrics(cm, "critic"))
+            if self.step >= cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    abatch = {k: v for k, v in batch.items()}
+                    self.actor_state, am = self._update(self.actor, self.actor_state, abatch, cfg.actor,
+                                                        cfg.trainer.seed + 104729 * self.step)
+                metrics.update(_mean_metrics(am, "actor"))
+        self.step += 1
+        metrics.update(timer.times)
+        metrics.update(self._step_metrics(ro, scores, rewards, adv, ret, values, old_lp, rmask, p_mask, timer.times))
+        metrics["reward/errors"] = float(reward_errors)
+        return metrics
+
+    def _step_metrics(self, ro, scores, rewards, adv, ret, values, old_lp, rmask, p_mask, times) -> dict[str, float]:
+        m: dict[str, float] = {"actor/kl_coef": self.kl_coef, "training/global_step": float(self.step),
+                               "training/epoch": float(self.sampler.state()["epoch"])}
+        m.update(stats("critic/score", scores))
+        m.update(stats("critic/rewards", rewards.sum(-1)))
+        m.update(stats("critic/advantages", adv, rmask))
+        m.update(stats("critic/returns", ret, rmask))
+        if values is not None:
+            m.update(stats("critic/values", values, rmask))
+            v = rmask > 0
+            var_ret = np.var(ret[v])
+            m["critic/vf_explained_var"] = float(1.0 - np.var(ret[v] - values[v]) / (var_ret + 1e-8))
+        lengths = ro.lengths.astype(np.float64)
+        m.update(stats("response_length", lengths))
+        m["response_length/clip_ratio"] = float(np.mean(lengths >= self.R))
+        m.update(stats("prompt_length", p_mask.sum(-1)))
+        m.update({k: float(v) for k, v in ppo.rollout_mismatch_metrics(old_lp, ro.logprobs, rmask).items()})
+        tokens = float(p_mask[ro.prompt_index].sum() + rmask.sum())
+        n_dev = jax.device_count()
+        m["perf/total_num_tokens"] = tokens
+        m["perf/throughput"] = tokens / times["timing_s/step"] / n_dev
+        if "timing_s/update_actor" in times:
+            flops = self.flops_per_token * tokens * self.cfg.actor.ppo_epochs
+            m["perf/mfu/actor"] = flops / times["timing_s/update_actor"] / (self.peak_flops * n_dev)
+        return m
+
+    # ------------------------------------------------------------------ validation and the loop
+
+    def validate(self) -> dict[str, float]:
+        if self.val_ds is None:
+            return {}
+        ds, bs = self.val_ds, self.cfg.data.val_batch_size
+        temp = self.cfg.rollout.val_temperature
+        scores, sources = [], []
+        for start in range(0, len(ds), bs):
+            rows = np.arange(start, min(start + bs, len(ds)))
+            ro = self.generate([ds.input_ids[i] for i in rows],
+                               Sampling(n=1, temperature=temp, max_tokens=self.R, seed=self.cfg.trainer.seed))
+            res = score_batch([ds.data_source[i] for i in rows], self.decode(ro), [ds.ground_truth[i] for i in rows],
+                              [ds.extra_info[i] for i in rows])
+            scores.extend(res.scores.tolist())
+            sources.extend(ds.data_source[i] for i in rows)
+        out = {}
+        for src in sorted(set(sources)):
+            out[f"val/{src}/score"] = float(np.mean([s for s, d in zip(scores, sources) if d == src]))
+        out["val/score"] = float(np.mean(scores))
+        return out
+
+    def fit(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        logger = MetricsLogger(self.run_dir, list(t.logger), total_steps=self.total_steps, start_step=self.step,
+                               project=t.project_name, name=t.experiment_name)
+        last: dict[str, float] = {}
+        try:
+            if t.val_before_train and self.step == 0:
+                last = self.validate()
+                logger.log(0, last)
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                done = self.step >= self.total_steps
+                if t.test_freq > 0 and (self.step % t.test_freq == 0 or done):
+                    metrics.update(self.validate())
+                logger.log(self.step, metrics)
+                last = metrics
+                if (t.save_freq > 0 and self.step % t.save_freq == 0) or done:
+                    self.save_checkpoint()
+        finally:
+            logger.close()
+            self.checkpointer.close()
+        return last

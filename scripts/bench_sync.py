@@ -1,0 +1,167 @@
+"""Weight push JAX -> in-process vLLM, vs the device-copy floor; generation throughput; log-prob mismatch.
+
+    python scripts/bench_sync.py --model qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b
+
+Per model shape (random weights): vLLM starts first (dummy weights), then JAX creates fp32 master
+parameters. The push is `VLLMEngine.update_weights(export_hf_arrays(params, bf16))`: per tensor a layer
+slice + cast on device (a fresh JAX buffer), a DLPack view (no copy), and vLLM's `load_weights` copy.
+The floor is the bf16 model bytes over the measured device-to-device copy bandwidth. Extra memory is
+what JAX holds beyond the parameters while the push runs (sampled at every tensor) plus torch's peak
+above its baseline. Mismatch: |vLLM sampled-token log-prob - jaxppo bf16 log-prob| on the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+
+def copy_bandwidth(torch, nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 10 * nbytes / (time.perf_counter() - t0)
+    del src, dst
+    return bw
+
+
+def run_model(name: str, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from bridge.engines.vllm import VLLMEngine
+    from jaxppo.config import ActorConfig
+    from jaxppo.data import left_pad
+    from jaxppo.engine import ActorEngine
+    from jaxppo.models import abstract_params, build_model, init_params
+    from jaxppo.models.hf_io import export_hf_arrays
+    from jaxppo.rollout import Sampling, train_sequences
+    from jaxppo.sharding import make_mesh, param_shardings
+    from scripts.shapes import SHAPES, write_config_dir
+
+    cfg = SHAPES[name]
+    model_dir = write_config_dir(name, Path(args.workdir) / name)
+    t0 = time.perf_counter()
+    engine = VLLMEngine(model_dir, dtype="bfloat16", gpu_memory_utilization=args.gpu_mem, max_model_len=1024,
+                        enforce_eager=args.eager, eos_token_ids=(), enable_sleep_mode=False)
+    start_s = time.perf_counter() - t0
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat="full", attention_impl="cudnn")
+    params = init_params(module, jax.random.PRNGKey(0), param_shardings(abstract_params(module), mesh))
+    jax.block_until_ready(params)
+    dev = jax.local_devices()[0]
+    model_bytes = sum(x.size * 2 for x in jax.tree.leaves(params))  # what is pushed: bf16
+    largest = max(int(np.prod(x.shape[1:] if x.ndim == 3 or (x.ndim == 2 and x.shape[0] == cfg.num_hidden_layers)
+                               else x.shape)) * 2 for x in jax.tree.leaves(params))
+    bw = copy_bandwidth(torch)
+
+    def push() -> tuple[float, int, int]:
+        base = dev.memory_stats()["bytes_in_use"]
+        torch.cuda.reset_peak_memory_stats()
+        tbase = torch.cuda.memory_allocated()
+        extra = [0]
+
+        def watched():
+            for item in export_hf_arrays(params, jnp.bfloat16):
+                jax.block_until_ready(item[1])
+                extra[0] = max(extra[0], dev.memory_stats()["bytes_in_use"] - base)
+                yield item
+
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.update_weights(watched())
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, extra[0], torch.cuda.max_memory_allocated() - tbase
+
+    pushes = [push() for _ in range(args.reps)]
+    push_s = float(np.median([p[0] for p in pushes]))
+    jax_extra, torch_extra = max(p[1] for p in pushes), max(p[2] for p in pushes)
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.prompts)]
+    sampling = Sampling(n=1, temperature=1.0, max_tokens=args.gen_len, seed=0)
+    engine.generate(prompts[:8], sampling)
+    t = time.perf_counter()
+    ro = engine.generate(prompts, sampling)
+    gen_s = time.perf_counter() - t
+    gen_tps = float(ro.response_mask.sum()) / gen_s
+
+    # mismatch on a subset: jaxppo bf16 log-probs of the tokens vLLM sampled
+    k = args.mismatch_prompts
+    sub = type(ro)(ro.response_ids[:k], ro.response_mask[:k], ro.logprobs[:k], ro.finish_reasons[:k],
+                   ro.prompt_index[:k])
+    p_ids, p_mask = left_pad([np.asarray(p) for p in prompts[:k]], 0)
+    batch = train_sequences(p_ids, p_mask, sub)
+    bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    actor = ActorEngine(module, mesh, ActorConfig(log_prob_micro_batch_size_per_device=8, logprob_chunk_size=256),
+                        args.gen_len, temperature=1.0)
+    lp = np.asarray(actor.logprobs(bf16_params, actor.shard_batch(batch))[0])
+    m = sub.response_mask > 0
+    diff = np.abs(lp - sub.logprobs)[m]
+    out = {"model": name, "model_gb": model_bytes / 2**30, "push_s": push_s, "copy_bw_gbs": bw / 1e9,
+           "floor_s": model_bytes / bw, "push_over_floor": push_s / (model_bytes / bw),
+           "extra_jax_mb": jax_extra / 2**20, "extra_torch_mb": torch_extra / 2**20,
+           "largest_param_mb": largest / 2**20, "vllm_start_s": start_s, "gen_tokens_per_s": gen_tps,
+           "gen_prompts": args.prompts, "gen_len": args.gen_len, "logprob_diff_mean": float(diff.mean()),
+           "logprob_diff_max": float(diff.max()), "device": torch.cuda.get_device_name(),
+           "versions": {"jax": jax.__version__, "torch": torch.__version__}}
+    try:
+        import vllm
+
+        out["versions"]["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    del engine, params, bf16_params
+    gc.collect()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--mismatch-prompts", type=int, default=32)
+    p.add_argument("--gpu-mem", type=float, default=0.35)
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--workdir", default="/tmp/jaxppo_bench")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    rows = []
+    for name in args.model.split(","):
+        row = run_model(name, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'model':14} {'GB':>5} {'push s':>7} {'floor s':>7} {'x floor':>7} {'extra MB (jax/torch)':>21} "
+          f"{'largest MB':>10} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
+    for r in rows:
+        print(f"{r['model']:14} {r['model_gb']:5.2f} {r['push_s']:7.3f} {r['floor_s']:7.3f} {r['push_over_floor']:7.2f} "
+              f"{r['extra_jax_mb']:10.0f}/{r['extra_torch_mb']:<10.0f} {r['largest_param_mb']:10.0f} "
+              f"{r['gen_tokens_per_s']:9.0f} {r['logprob_diff_mean']:7.4f}/{r['logprob_diff_max']:.3f}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

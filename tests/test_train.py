@@ -1,0 +1,153 @@
+"""`python -m jaxppo.train` end to end: metrics, engines, exact resume after SIGKILL, export, config errors."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jaxppo.config import load_config, validate
+from tests.helpers import make_hf_checkpoint
+from tests.train_helpers import FAST, ROOT, read_metrics, run_train
+
+REQUIRED = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
+            "actor/kl_coef", "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/score/mean",
+            "critic/rewards/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
+            "timing_s/gen", "timing_s/update_actor", "timing_s/update_critic", "timing_s/old_log_prob",
+            "timing_s/ref", "timing_s/values", "timing_s/sync", "perf/throughput", "perf/mfu/actor",
+            "rollout/logprob_diff_mean"]
+
+
+@pytest.fixture(scope="module")
+def verl_data(tmp_path_factory, tokenizer_dir):
+    """A verl-format GSM8K-style parquet and a tiny random Qwen2 checkpoint sized to the tokenizer."""
+    from jaxppo.data import load_tokenizer
+
+    d = tmp_path_factory.mktemp("verl")
+    rows = [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": f"What is {i} + {i % 3}? Output the answer after ####."}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + i % 3)},
+             "extra_info": {"split": "train", "index": i}} for i in range(24)]
+    pq.write_table(pa.Table.from_pylist(rows), d / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:8]), d / "test.parquet")
+    vocab = len(load_tokenizer(tokenizer_dir))
+    model = make_hf_checkpoint(d / "model", "qwen2", vocab_size=vocab, initializer_range=0.02)
+    return d, model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_three_steps_every_metric_finite(engine, verl_data, tokenizer_dir, tmp_path):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    d, model = verl_data
+    run = tmp_path / "run"
+    run_train(run, *FAST, f"data.train_files=[{d / 'train.parquet'}]", f"data.val_files=[{d / 'test.parquet'}]",
+              f"data.tokenizer={tokenizer_dir}", f"model.path={model}", "trainer.sft_warmup_steps=0",
+              "trainer.total_training_steps=3", "actor.use_kl_loss=true", f"rollout.engine={engine}",
+              "rollout.enforce_eager=true", "data.max_prompt_length=48")
+    metrics = read_metrics(run)
+    assert sorted(metrics) == [0, 1, 2, 3]
+    for step in (1, 2, 3):
+        for key in REQUIRED:
+            assert key in metrics[step] and math.isfinite(metrics[step][key]), (step, key)
+    assert "val/openai/gsm8k/score" in metrics[0] and "val/openai/gsm8k/score" in metrics[2]
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "3").is_dir()
+
+
+def _comparable(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if not k.startswith(("timing_s/", "perf/", "time"))}
+
+
+@pytest.mark.slow
+def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path):
+    common = [*FAST, "trainer.total_training_steps=5", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.seed=3"]
+    straight = tmp_path / "straight"
+    run_train(straight, *common)
+    killed = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={killed}", *common],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (killed / "checkpoints" / "2").is_dir():  # orbax renames the step dir into place when complete
+        assert proc.poll() is None, "run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "checkpoints" / "5").exists()
+    run_train(killed, *common)  # resume_mode=auto
+    a, b = read_metrics(straight), read_metrics(killed)
+    for step in (3, 4, 5):
+        ra, rb = _comparable(a[step]), _comparable(b[step])
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+    from jaxppo.checkpoint import RunCheckpointer
+
+    ck = RunCheckpointer(tmp_path / "ck")
+    state = {"w": jnp.arange(4.0)}
+    ck.save(2, {"actor": state}, {"step": 2})
+    # what a kill during the save of step 4 leaves behind: orbax's temporary directory, never renamed
+    partial = tmp_path / "ck" / "4.orbax-checkpoint-tmp-1234"
+    (partial / "actor").mkdir(parents=True)
+    (partial / "actor" / "junk").write_bytes(b"\0" * 10)
+    ck2 = RunCheckpointer(tmp_path / "ck")
+    assert ck2.latest_step() == 2
+    states, meta = ck2.restore(2, {"actor": state})
+    np.testing.assert_array_equal(np.asarray(states["actor"]["w"]), np.arange(4.0))
+
+
+@pytest.mark.slow
+def test_export_round_trip(tmp_path):
+    from bridge.reference import hf_logits, load_hf_model
+    from jaxppo.checkpoint import RunCheckpointer
+    from jaxppo.config import OptimConfig
+    from jaxppo.engine import TrainState, make_optimizer
+    from jaxppo.export import main as export_main
+    from jaxppo.models import load_model
+
+    run = tmp_path / "run"
+    run_train(run, *FAST, "trainer.total_training_steps=2", "trainer.test_freq=-1")
+    assert export_main(["--ckpt", str(run / "checkpoints" / "2"), "--out", str(tmp_path / "hf")]) == 0
+    module, params, cfg = load_model(run / "init_model")
+    tx, _ = make_optimizer(OptimConfig(), 1)  # the trainer's optimizer structure, to restore into
+    like = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    trained = RunCheckpointer(run / "checkpoints").restore(2, {"actor": like})[0]["actor"].params
+    assert not np.allclose(np.asarray(trained["model"]["norm"]["weight"]), np.asarray(params["model"]["norm"]["weight"]))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, (2, 10))
+    mask = np.ones((2, 10), np.int64)
+    pos = np.cumsum(mask, 1) - 1
+    ours = np.asarray(module.apply({"params": trained}, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(mask),
+                                   method="forward_logits"))
+    theirs = hf_logits(load_hf_model(tmp_path / "hf"), ids, mask, pos)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.ppo_mini_batchsize=4", "unknown config key 'actor.ppo_mini_batchsize'; did you mean actor.ppo_mini_batch_size"),
+    ("actor.ppo_epochs=two", "config key 'actor.ppo_epochs'"),
+    ("actor.ppo_mini_batch_size=64", "actor.ppo_mini_batch_size (64) is larger than data.train_batch_size (32)"),
+    ("mesh.data=4", "mesh: {'data': 4, 'fsdp': 1, 'tensor': 1} needs 4 devices but 1 are available"),
+    ("actor.ppo_micro_batch_size_per_device=5", "actor.ppo_micro_batch_size_per_device (5)"),
+])
+def test_config_errors_exit_2_before_building(override, message, tmp_path):
+    res = run_train(tmp_path / "run", override, check=False, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert message in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()  # nothing built or written
