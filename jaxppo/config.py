@@ -42,6 +42,7 @@ class ModelConfig:
     path: Optional[str] = None  # actor HF checkpoint dir; None: the embedded default's tiny random model
     critic_path: Optional[str] = None  # critic checkpoint (token-classification layout); None: actor + new head
     reward_model_path: Optional[str] = None  # optional reward model (token-classification) scoring responses
+    random_init: bool = False  # benchmarks: read only config.json from model.path, random weights of that shape
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"  # master weights
     remat: str = "full"  # none | full | dots

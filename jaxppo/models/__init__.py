@@ -61,7 +61,7 @@ def init_params(module: nn.Module, rng: jax.Array, shardings: Any = None) -> Any
 
 
 def load_model(model_dir: str | Path, head: str = "lm", *, mesh: jax.sharding.Mesh | None = None,
-               rng: jax.Array | None = None, **build_kw) -> tuple[nn.Module, Any, ModelConfig]:
+               rng: jax.Array | None = None, random_init: bool = False, **build_kw) -> tuple[nn.Module, Any, ModelConfig]:
     """Build the module for a HF checkpoint and read its weights into their sharding.
 
     head "value": a token-classification checkpoint (`score.weight`, num_labels=1, e.g. a verl critic)
@@ -70,6 +70,10 @@ def load_model(model_dir: str | Path, head: str = "lm", *, mesh: jax.sharding.Me
     from jaxppo import sharding as shd
 
     cfg, kind = load_config(model_dir)
+    if random_init:  # the architecture of config.json, random weights created directly in their sharding
+        module = build_model(cfg, head, **build_kw)
+        shardings = shd.param_shardings(abstract_params(module), mesh) if mesh is not None else None
+        return module, init_params(module, rng if rng is not None else jax.random.PRNGKey(0), shardings), cfg
     if head == "lm" and kind != "lm":
         raise CheckpointError(f"{model_dir}: a token-classification checkpoint cannot be used as a causal LM")
     from_critic = head == "value" and kind == "score"

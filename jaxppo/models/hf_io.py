@@ -158,17 +158,39 @@ _export_layer = jax.jit(lambda x, i, dtype: _fresh(x[i], dtype), static_argnums=
 _export = jax.jit(_fresh, static_argnums=1)
 
 
-def export_hf_arrays(params: Params, dtype: Any = None) -> Iterator[tuple[str, jax.Array]]:
+def export_hf_arrays(params: Params, dtype: Any = None, group_bytes: int | None = None
+                     ) -> Iterator[tuple[str, jax.Array]]:
     """(HF name, fresh JAX array) per tensor for a rollout engine: stacked layers sliced one layer at a
-    time and cast on device. Never a buffer of the train state itself (the next update donates those),
-    and at most one layer's tensor of extra memory at a time when consumed lazily."""
+    time and cast on device. Never a buffer of the train state itself (the next update donates those).
+
+    Tensors are dispatched in groups of at most `group_bytes` (default: the largest single tensor) and
+    each group is waited for once, so the consumer never waits per tensor while the extra memory held
+    at any time stays within one group (<= the largest parameter)."""
     dtype = None if dtype is None else jnp.dtype(dtype)
-    for path, value in traverse_util.flatten_dict(params).items():
-        if is_stacked(path):
-            for i in range(value.shape[0]):
-                yield hf_name(path, i), _export_layer(value, i, dtype)
-        else:
-            yield hf_name(path), _export(value, dtype)
+    flat = traverse_util.flatten_dict(params)
+    itemsize = lambda v: (dtype or v.dtype).itemsize
+    sizes = {p: int(np.prod(v.shape[1:] if is_stacked(p) else v.shape)) * itemsize(v) for p, v in flat.items()}
+    budget = group_bytes or max(sizes.values())
+    group: list[tuple[str, jax.Array]] = []
+    used = 0
+
+    def jobs():
+        for path, value in flat.items():
+            if is_stacked(path):
+                for i in range(value.shape[0]):
+                    yield hf_name(path, i), sizes[path], (lambda v=value, i=i: _export_layer(v, i, dtype))
+            else:
+                yield hf_name(path), sizes[path], (lambda v=value: _export(v, dtype))
+
+    for name, size, make in jobs():
+        if group and used + size > budget:
+            jax.block_until_ready([a for _, a in group])
+            yield from group
+            group, used = [], 0
+        group.append((name, make()))
+        used += size
+    jax.block_until_ready([a for _, a in group])
+    yield from group
 
 
 def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *, head: str = "lm",
