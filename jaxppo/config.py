@@ -108,6 +108,7 @@ class RolloutConfig:
     val_temperature: float = 0.0  # 0: greedy validation
     gpu_memory_utilization: float = 0.5  # vLLM's share of the card (GPU memory plan)
     enforce_eager: bool = False  # vLLM: no CUDA graphs
+    cudagraph_mode: Optional[str] = None  # vLLM's compilation_config.cudagraph_mode (e.g. PIECEWISE); None: vLLM's
     free_cache_engine: bool = True  # sleep the engine during training (GPU)
 
 
@@ -210,12 +211,26 @@ def _to_dataclass(cls, data: Any):
     return cls(**kwargs)
 
 
+def _writable(node) -> None:
+    """Frozen dataclasses make omegaconf 2.3 nodes read-only one by one, and merging into them fails;
+    clear the flag everywhere (the dataclass built from the merge is frozen again)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    OmegaConf.set_readonly(node, None)
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            child = node._get_node(k)
+            if isinstance(child, (DictConfig, ListConfig)):
+                _writable(child)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- dotted `key=value` overrides, type-checked; errors are `ConfigError`."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
     base = OmegaConf.structured(Config)
+    _writable(base)
     try:
         layers = [base]
         if path is not None:

@@ -26,7 +26,8 @@ def make_engine_factory(cfg):
         return make_engine(cfg.rollout.engine, model_dir=model_dir, dtype=trainer.engine_dtype,
                            eos_token_ids=trainer.eos_ids, pad_token_id=tok.pad_token_id,
                            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                           enforce_eager=cfg.rollout.enforce_eager, seed=cfg.trainer.seed,
+                           enforce_eager=cfg.rollout.enforce_eager, cudagraph_mode=cfg.rollout.cudagraph_mode,
+                           seed=cfg.trainer.seed,
                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
 
     return factory

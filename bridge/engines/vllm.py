@@ -39,7 +39,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str | None = None,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, gpu_memory_utilization: float = 0.5,
                  max_model_len: int | None = None, enforce_eager: bool = False, enable_sleep_mode: bool | None = None,
-                 sleep_level: int = 2, seed: int = 0, **_: Any):
+                 sleep_level: int = 2, cudagraph_mode: str | None = None, seed: int = 0, **_: Any):
         self.gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         configure_env(self.gpu)
         from vllm import LLM
@@ -51,6 +51,8 @@ class VLLMEngine:
                   enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         if max_model_len is not None:
             kw["max_model_len"] = max_model_len
+        if cudagraph_mode is not None:
+            kw["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
         if self.gpu:
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         else:
