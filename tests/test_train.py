@@ -142,7 +142,7 @@ def test_export_round_trip(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("actor.ppo_mini_batchsize=4", "unknown config key 'actor.ppo_mini_batchsize'; did you mean actor.ppo_mini_batch_size"),
     ("actor.ppo_epochs=two", "config key 'actor.ppo_epochs'"),
-    ("actor.ppo_mini_batch_size=64", "actor.ppo_mini_batch_size (64) is larger than data.train_batch_size (32)"),
+    ("actor.ppo_mini_batch_size=128", "actor.ppo_mini_batch_size (128) is larger than data.train_batch_size (64)"),
     ("mesh.data=4", "mesh: {'data': 4, 'fsdp': 1, 'tensor': 1} needs 4 devices but 1 are available"),
     ("actor.ppo_micro_batch_size_per_device=5", "actor.ppo_micro_batch_size_per_device (5)"),
 ])
