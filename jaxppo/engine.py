@@ -308,10 +308,5 @@ class CriticEngine(_Base):
         return loss, metrics
 
 
-def count_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls + 12 * layers * hidden * seq for attention (PaLM)."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
-
-
 __all__ = ["TrainState", "ActorEngine", "CriticEngine", "make_optimizer", "lr_schedule", "response_logprobs",
-           "response_values", "split_micro", "merge_micro", "count_flops_per_token"]
+           "response_values", "split_micro", "merge_micro"]

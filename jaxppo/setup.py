@@ -4,14 +4,13 @@ through the same code)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxppo.config import Config
-from jaxppo.data import PromptDataset, PromptSpec, load_prompt_dataset, load_tokenizer
+from jaxppo.data import PromptSpec, load_prompt_dataset, load_tokenizer
 from jaxppo.data import synthetic
 from jaxppo.models import ModelConfig, build_model, init_params, save_hf_checkpoint
 
@@ -77,5 +76,4 @@ def attention_impl(cfg: Config) -> str | None:
     return "cudnn" if jax.default_backend() == "gpu" else None
 
 
-__all__ = ["prepare_data", "prepare_model_dir", "tiny_model_config", "engine_dtype", "attention_impl", "DTYPES",
-           "PromptDataset", "dataclasses"]
+__all__ = ["prepare_data", "prepare_model_dir", "tiny_model_config", "engine_dtype", "attention_impl", "DTYPES"]

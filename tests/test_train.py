@@ -6,16 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxppo.config import load_config, validate
 from tests.helpers import make_hf_checkpoint
 from tests.train_helpers import FAST, ROOT, read_metrics, run_train
 

@@ -1,7 +1,6 @@
 """Policy / value losses, aggregation, KL, entropy, importance correction vs float64 numpy references."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
