@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jaxppo.models.hf_io import export_hf_arrays as iter_hf_arrays
+from jaxppo.models.hf_io import export_hf_arrays
 
 
 def _local_single_device(x: jax.Array) -> jax.Array:
@@ -46,5 +46,5 @@ def jax_pointer(x: jax.Array) -> int:
 
 def iter_torch_weights(params: Any, dtype: Any = jnp.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, torch tensor) pairs, each a zero-copy view of a fresh JAX buffer."""
-    for name, arr in iter_hf_arrays(params, dtype):
+    for name, arr in export_hf_arrays(params, dtype):
         yield name, to_torch(arr)

@@ -15,10 +15,13 @@ def export(ckpt: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from jaxppo.checkpoint import abstract_like
+    import flax.linen as nn
+    import jax
+
     from jaxppo.config import load_config
     from jaxppo.errors import CheckpointError
-    from jaxppo.models import load_model, save_hf_checkpoint
+    from jaxppo.models import abstract_params, build_model, load_config as load_model_config, save_hf_checkpoint
+    from jaxppo.setup import DTYPES
 
     ckpt = Path(ckpt).absolute()
     if not ckpt.is_dir() or not ckpt.name.isdigit():
@@ -28,14 +31,18 @@ def export(ckpt: str | Path, out: str | Path, dtype: str | None = None) -> Path:
         raise CheckpointError(f"{run_dir}: no config.yaml next to the checkpoints (not a jaxppo run directory)")
     cfg = load_config(run_dir / "config.yaml")
     model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "init_model"
-    _, params, mcfg = load_model(model_dir)
+    mcfg, _ = load_model_config(model_dir)
+    # the parameter tree's shapes only (nothing read from model_dir's weights): the checkpoint has the values
+    shapes = nn.unbox(abstract_params(build_model(mcfg, param_dtype=DTYPES[cfg.model.param_dtype])))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
     mngr = ocp.CheckpointManager(ckpt.parent)
-    # restore the actor's parameters only, straight into the layout `load_model` gave (optimizer state skipped)
+    # restore the actor's parameters only (optimizer state skipped)
     meta = mngr.item_metadata(int(ckpt.name))
     if meta is None or "actor" not in meta:
         raise CheckpointError(f"{ckpt}: no actor state in this checkpoint")
     restored = mngr.restore(int(ckpt.name), args=ocp.args.Composite(actor=ocp.args.PyTreeRestore(
-        item={"params": abstract_like(params)}, partial_restore=True)))
+        item={"params": target}, partial_restore=True)))
     params = restored["actor"]["params"]
     mngr.close()
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype or "float32"]

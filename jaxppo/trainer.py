@@ -251,8 +251,7 @@ class PPOTrainer:
                 metrics.update(_mean_metrics(cm, "critic"))
             if self.step >= cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    abatch = {k: v for k, v in batch.items()}
-                    self.actor_state, am = self._update(self.actor, self.actor_state, abatch, cfg.actor,
+                    self.actor_state, am = self._update(self.actor, self.actor_state, batch, cfg.actor,
                                                         cfg.trainer.seed + 104729 * self.step)
                 metrics.update(_mean_metrics(am, "actor"))
         self.step += 1

@@ -12,13 +12,13 @@ from flax import traverse_util
 
 from jaxppo.errors import CheckpointError
 from jaxppo.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, config_from_hf_dict, load_config
-from jaxppo.models.hf_io import SafetensorsIndex, iter_hf_tensors, load_params, save_hf_checkpoint
+from jaxppo.models.hf_io import SafetensorsIndex, export_hf_arrays, load_params, save_hf_checkpoint
 from jaxppo.models.transformer import REMAT_POLICIES, CausalLM, ValueModel, positions_from_mask
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "CausalLM", "ValueModel", "REMAT_POLICIES",
     "build_model", "abstract_params", "init_params", "load_model", "load_config", "config_from_hf_dict",
-    "save_hf_checkpoint", "iter_hf_tensors", "positions_from_mask",
+    "save_hf_checkpoint", "export_hf_arrays", "positions_from_mask",
 ]
 
 SCORE_PATHS = (("score", "weight"), ("score", "bias"))

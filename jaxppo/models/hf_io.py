@@ -138,17 +138,6 @@ def load_params(model_dir: str | Path, abstract: Params, num_layers: int, shardi
     return traverse_util.unflatten_dict(out)
 
 
-def iter_hf_tensors(params: Params, dtype: Any = None) -> Iterator[tuple[str, jax.Array]]:
-    """(HF name, per-layer jax array) for every parameter, one at a time, optionally cast on device."""
-    for path, value in traverse_util.flatten_dict(params).items():
-        if is_stacked(path):
-            for i in range(value.shape[0]):
-                x = value[i]
-                yield hf_name(path, i), (x.astype(dtype) if dtype is not None else x)
-        else:
-            yield hf_name(path), (value.astype(dtype) if dtype is not None else value)
-
-
 def _fresh(a: jax.Array, dtype: Any) -> jax.Array:
     # an astype to the same dtype is the identity, and jit would forward the input buffer itself
     return a.astype(dtype) if dtype is not None and a.dtype != dtype else a + jnp.zeros((), a.dtype)
@@ -206,7 +195,7 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *,
     try:
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
-        for name, x in iter_hf_tensors(params, dtype):
+        for name, x in export_hf_arrays(params, dtype):
             arr = np.asarray(jax.device_get(x))
             if size + arr.nbytes > max_shard_bytes and shards[-1]:
                 shards.append({})

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bridge.dlpack import iter_hf_arrays
+from jaxppo.models.hf_io import export_hf_arrays
 from jaxppo.config import ActorConfig
 from jaxppo.data import left_pad
 from jaxppo.engine import ActorEngine
@@ -33,7 +33,7 @@ def trainer_logprobs(module, params, prompt_ids, rollouts, temperature):
 
 
 def check_logprobs_match_trainer(engine, module, params, vocab, temperature=0.7, tol=1e-4):
-    engine.update_weights(iter_hf_arrays(params, jnp.float32))
+    engine.update_weights(export_hf_arrays(params, jnp.float32))
     p = prompts(vocab)
     ro = engine.generate(p, Sampling(n=2, temperature=temperature, max_tokens=MAX_TOKENS, seed=1))
     assert ro.response_ids.shape == (6, MAX_TOKENS) and ro.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
@@ -48,15 +48,15 @@ def check_logprobs_match_trainer(engine, module, params, vocab, temperature=0.7,
 def check_update_changes_outputs(engine, params, vocab):
     p = prompts(vocab)
     s = Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
-    engine.update_weights(iter_hf_arrays(params, jnp.float32))
+    engine.update_weights(export_hf_arrays(params, jnp.float32))
     before = engine.generate(p, s)
     again = engine.generate(p, s)
     np.testing.assert_array_equal(before.logprobs, again.logprobs)
     scaled = jax.tree.map(lambda x: x * 1.5, params)
-    engine.update_weights(iter_hf_arrays(scaled, jnp.float32))
+    engine.update_weights(export_hf_arrays(scaled, jnp.float32))
     after = engine.generate(p, s)
     assert np.abs(after.logprobs - before.logprobs).max() > 1e-3  # no stale weights / prefix cache
-    engine.update_weights(iter_hf_arrays(params, jnp.float32))
+    engine.update_weights(export_hf_arrays(params, jnp.float32))
 
 
 def check_seed_and_n(engine, vocab):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.dlpack import iter_hf_arrays, iter_torch_weights, jax_pointer, to_torch
+from bridge.dlpack import iter_torch_weights, jax_pointer, to_torch
+from jaxppo.models.hf_io import export_hf_arrays
 from jaxppo.models import load_model
 from jaxppo.models.hf_io import iter_hf_names
 from jaxppo.sharding import make_mesh
@@ -25,7 +26,7 @@ def test_sharded_parameters_are_gathered_one_at_a_time(tiny_qwen):
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
     _, params, cfg = load_model(tiny_qwen, mesh=mesh)
     _, ref, _ = load_model(tiny_qwen)
-    ref_arrays = dict(iter_hf_arrays(ref, jnp.bfloat16))
+    ref_arrays = dict(export_hf_arrays(ref, jnp.bfloat16))
     names = []
     for name, t in iter_torch_weights(params, jnp.bfloat16):
         assert t.dtype == torch.bfloat16

@@ -3,7 +3,8 @@
 import jax.numpy as jnp
 import pytest
 
-from bridge.dlpack import iter_hf_arrays, jax_pointer
+from bridge.dlpack import jax_pointer
+from jaxppo.models.hf_io import export_hf_arrays
 from bridge.engines import make_engine
 from jaxppo.models import load_model
 from tests.bridge import engine_checks as checks
@@ -23,7 +24,7 @@ def test_logprobs_match_trainer(setup):
 
 def test_weights_are_zero_copy(setup):
     engine, module, params, cfg = setup
-    arrays = dict(iter_hf_arrays(params, jnp.float32))
+    arrays = dict(export_hf_arrays(params, jnp.float32))
     engine.update_weights(arrays.items())
     for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight", "lm_head.weight"):
         assert engine.param_pointer(name) == jax_pointer(arrays[name]), name
@@ -37,13 +38,13 @@ def test_update_changes_outputs(setup):
 
 def test_seed_and_n(setup):
     engine, module, params, cfg = setup
-    engine.update_weights(iter_hf_arrays(params, jnp.float32))
+    engine.update_weights(export_hf_arrays(params, jnp.float32))
     checks.check_seed_and_n(engine, cfg.vocab_size)
 
 
 def test_eos_stops_and_mask(setup):
     engine, module, params, cfg = setup
-    engine.update_weights(iter_hf_arrays(params, jnp.float32))
+    engine.update_weights(export_hf_arrays(params, jnp.float32))
     checks.check_eos_stops(engine, cfg.vocab_size)
 
 
