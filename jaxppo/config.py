@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jaxppo.errors import ConfigError
+from jaxppo.health import HealthConfig, HealthRule  # noqa: F401  (HealthRule: resolved by get_type_hints)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,14 @@ class TrainerConfig:
     critic_warmup: int = 0  # steps updating only the critic
     sft_warmup_steps: int = 0  # supervised warm start steps on extra_info.answer (synthetic task)
     sft_lr: float = 1e-3  # learning rate of the warm start
+    profile_steps: list[int] = field(default_factory=list)  # JAX (+ torch) profiler trace of these steps
+    profile_dir: str = ""  # where traces go ("" = <run dir>/profile)
+    health: HealthConfig = field(default_factory=HealthConfig)  # healthy ranges and actions (jaxppo/health.py)
+    max_bad_steps: int = 3  # consecutive steps with NaN/inf losses, gradients or rewards that end the run
+    early_stop_patience: int = 0  # validations without improvement that end the run (0: off)
+    early_stop_metric: str = "val/score"  # validation metric watched by early stopping
+    early_stop_mode: str = "max"  # max | min
+    early_stop_min_delta: float = 0.0  # an improvement must exceed this
 
 
 @dataclass(frozen=True)
@@ -295,6 +304,17 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     check(r.n >= 1, "rollout.n must be >= 1")
     check(cfg.model.remat in ("none", "full", "dots"), f"model.remat {cfg.model.remat!r} unknown; known: "
           "['dots', 'full', 'none']")
+    t = cfg.trainer
+    from jaxppo import health
+
+    for msg in health.validate(t.health):
+        check(False, msg)
+    check(t.max_bad_steps >= 1, "trainer.max_bad_steps must be >= 1")
+    check(t.early_stop_mode in ("max", "min"), "trainer.early_stop_mode must be max or min")
+    check(t.early_stop_patience == 0 or t.test_freq > 0,
+          "trainer.early_stop_patience needs validation: set trainer.test_freq > 0")
+    check(t.early_stop_patience >= 0, "trainer.early_stop_patience must be >= 0")
+    check(all(s >= 1 for s in t.profile_steps), "trainer.profile_steps are 1-based step numbers")
     if num_devices is not None:
         from jaxppo.sharding import resolve_mesh_shape
 

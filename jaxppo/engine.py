@@ -136,6 +136,9 @@ class _Base:
     forward_micro_batch_per_device: int
 
     def __post_init__(self):
+        # {metric: ("max"|"min", bound)}: a mini-batch breaking one is not applied (jaxppo/health.py);
+        # NaN/inf in the loss or the gradient never is
+        self.guards: dict[str, tuple[str, float]] = {}
         self.tx, self.schedule = make_optimizer(self.optim, self.total_steps)
         self.batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self._update_jit = None
@@ -181,8 +184,17 @@ class _Base:
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = jax.tree.map(jnp.sum, metrics)
-        metrics.update(loss=jnp.sum(losses), grad_norm=grad_norm, lr=self.schedule(state.step))
-        return TrainState(params, opt_state, state.step + 1), metrics
+        loss = jnp.sum(losses)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        ok = finite
+        for name, (kind, bound) in self.guards.items():
+            v = grad_norm if name == "grad_norm" else metrics[name]
+            ok &= (v <= bound) if kind == "max" else (v >= bound)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        metrics.update(loss=loss, grad_norm=grad_norm, lr=self.schedule(state.step),
+                       skipped=1.0 - ok.astype(jnp.float32), nonfinite=1.0 - finite.astype(jnp.float32))
+        return TrainState(params, opt_state, state.step + ok.astype(state.step.dtype)), metrics
 
     def update(self, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch (the state's buffers are donated)."""

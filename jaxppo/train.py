@@ -1,7 +1,9 @@
 """`python -m jaxppo.train [--config FILE] [key=value ...]`: PPO on the embedded default (CPU, synthetic
 arithmetic, a tiny model) unless a config says otherwise.
 
-Exit codes: 0 done; 2 bad configuration or input (nothing is built before the config is checked).
+Exit codes: 0 done, early-stopped, or stopped by SIGINT / SIGTERM (a checkpoint is written first; the
+same command resumes); 2 bad configuration or input (nothing is built before the config is checked);
+3 ended by the health monitor (a rule with action `stop`, or trainer.max_bad_steps NaN/inf steps).
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = "  ".join(f"{k}={v:.4f}" for k, v in sorted(final.items()) if k.startswith(("val/", "critic/score/mean")))
-    print(f"done: step {trainer.step}/{trainer.total_steps}  {summary}  run dir: {trainer.run_dir}")
-    return 0
+    head = "done" if trainer.stop_reason is None else f"stopped ({trainer.stop_reason})"
+    print(f"{head}: step {trainer.step}/{trainer.total_steps}  {summary}  run dir: {trainer.run_dir}")
+    return trainer.exit_code
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -18,7 +21,9 @@ from jaxppo import ppo
 from jaxppo.checkpoint import RunCheckpointer, restore_from
 from jaxppo.config import Config, to_yaml
 from jaxppo.data import ResumableSampler, left_pad
+from jaxppo.errors import ConfigError
 from jaxppo.engine import ActorEngine, CriticEngine
+from jaxppo.health import HealthMonitor, update_guards
 from jaxppo.metrics import MetricsLogger, stats
 from jaxppo.models import load_model, save_hf_checkpoint
 from jaxppo.models.hf_io import export_hf_arrays
@@ -34,20 +39,41 @@ EngineFactory = Callable[[Path, Any], RolloutEngine]
 
 
 class Timer:
-    def __init__(self):
+    """Wall time per named phase (`timing_s/<name>`), each phase also a named region of the JAX
+    profiler trace and, while torch is being profiled, of the torch trace."""
+
+    def __init__(self, torch_regions: bool = False):
         self.times: dict[str, float] = {}
+        self.torch_regions = torch_regions
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         t0 = time.perf_counter()
-        with jax.profiler.TraceAnnotation(name):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.profiler.TraceAnnotation(name))
+            if self.torch_regions:
+                import torch
+
+                stack.enter_context(torch.profiler.record_function(name))
             yield
         self.times[f"timing_s/{name}"] = self.times.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
 
 
+class _Abandoned(Exception):
+    """A stop signal arrived before the step's updates began: the step is dropped, not half-done."""
+
+
 def _mean_metrics(items: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    """Mean over mini-batches; the skip counters are summed (`<prefix>/skipped_updates`, ...)."""
     keys = items[0].keys() if items else []
-    return {f"{prefix}/{k}": float(np.mean([float(m[k]) for m in items])) for k in keys}
+    out = {}
+    for k in keys:
+        vals = [float(m[k]) for m in items]
+        if k in ("skipped", "nonfinite"):
+            out[f"{prefix}/{k}_updates"] = float(np.sum(vals))
+        else:
+            out[f"{prefix}/{k}"] = float(np.mean(vals))
+    return out
 
 
 class PPOTrainer:
@@ -95,9 +121,20 @@ class PPOTrainer:
             self.critic = CriticEngine(self.critic_module, self.mesh, c, self.R,
                                        c.optim.total_steps or self.total_steps * steps_per(c))
             self.critic_state = self.critic.init_state(critic_params)
+        self.actor.guards = update_guards(t.health, "actor")
+        if self.use_critic:
+            self.critic.guards = update_guards(t.health, "critic")
+        self.health = HealthMonitor(t.health)
         self.kl_coef = cfg.algorithm.kl_ctrl.kl_coef
         self._adv_fn = None
         self.step = 0
+        self.bad_steps = 0  # consecutive steps with NaN/inf
+        self.best_val: float | None = None
+        self.vals_since_best = 0
+        self.stop_reason: str | None = None  # why fit() ended early
+        self.exit_code = 0
+        self._signal: str | None = None
+        self._profiling = False
         self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", t.max_to_keep)
         self._maybe_resume()
         self.peak_flops = measure_matmul_peak()
@@ -115,9 +152,12 @@ class PPOTrainer:
 
     def _meta(self) -> dict[str, Any]:
         return {"step": self.step, "kl_coef": float(self.kl_coef), "sampler": self.sampler.state(),
-                "seed": self.cfg.trainer.seed}
+                "seed": self.cfg.trainer.seed, "health": self.health.state(), "bad_steps": self.bad_steps,
+                "best_val": self.best_val, "vals_since_best": self.vals_since_best}
 
     def save_checkpoint(self) -> None:
+        if self.step in self.checkpointer.manager.all_steps():
+            return
         self.checkpointer.save(self.step, self._states(), self._meta())
         log.info("checkpoint saved: %s/%d", self.checkpointer.directory, self.step)
 
@@ -137,6 +177,10 @@ class PPOTrainer:
             self.critic_state = states["critic"]
         self.step, self.kl_coef = int(meta["step"]), float(meta["kl_coef"])
         self.sampler.load_state(meta["sampler"])
+        if "health" in meta:
+            self.health.load_state(meta["health"])
+            self.bad_steps, self.vals_since_best = int(meta["bad_steps"]), int(meta["vals_since_best"])
+            self.best_val = meta["best_val"]
         log.info("resumed from step %d", self.step)
 
     # ------------------------------------------------------------------ phases
@@ -179,8 +223,9 @@ class PPOTrainer:
             rewards, current_kl = ppo.apply_kl_penalty(token_scores, old_lp, ref_lp, rmask, self.kl_coef,
                                                        alg.kl_penalty)
             metrics["actor/reward_kl_penalty"] = float(current_kl)
-            self.kl_coef = float(ppo.update_kl_coef(ppo.KLControlConfig(**dataclasses.asdict(alg.kl_ctrl)),
-                                                    self.kl_coef, float(current_kl), len(group_ids)))
+            if np.isfinite(float(current_kl)):  # a NaN batch must not poison the controller
+                self.kl_coef = float(ppo.update_kl_coef(ppo.KLControlConfig(**dataclasses.asdict(alg.kl_ctrl)),
+                                                        self.kl_coef, float(current_kl), len(group_ids)))
         if self._adv_fn is None:
             self._adv_fn = jax.jit(lambda r, m, v, g: ppo.compute_advantages(
                 alg.adv_estimator, r, m, values=v, group_ids=g, gamma=alg.gamma, lam=alg.lam,
@@ -205,63 +250,104 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one step
 
+    def _interrupt_point(self) -> None:
+        if self._signal is not None:
+            raise _Abandoned()
+
     def train_step(self) -> dict[str, float]:
-        cfg, timer = self.cfg, Timer()
+        """One PPO step. A stop signal during the phases before the updates abandons the step (sampler
+        and KL controller restored, nothing updated); once the updates begin the step completes."""
+        cfg, timer = self.cfg, Timer(torch_regions=self._profiling and "torch" in sys.modules)
         metrics: dict[str, float] = {}
-        with timer("step"):
-            rows = self.sampler.next_batch()
-            prompts = [self.train_ds.input_ids[i] for i in rows]
-            sampling = Sampling(n=self.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                top_k=cfg.rollout.top_k, max_tokens=self.R,
-                                seed=cfg.trainer.seed * 1_000_003 + self.step)
-            ro = self.generate(prompts, sampling, timer)
-            with timer("reward"):
-                scores, reward_errors = self.score(rows, ro)
-            p_ids, p_mask = left_pad(prompts, self.tokenizer.pad_token_id, self.P)
-            batch = train_sequences(p_ids, p_mask, ro)
-            rmask = batch["response_mask"]
-            sharded = self.actor.shard_batch(batch)
-            with timer("old_log_prob"):
-                old_lp = np.asarray(self.actor.logprobs(self.actor_state.params, sharded)[0])
-            ref_lp = None
-            if self.use_ref:
-                with timer("ref"):
-                    ref_lp = np.asarray(self.actor.logprobs(self.ref_params, sharded)[0])
-            values = None
-            if self.use_critic:
-                with timer("values"):
-                    values = np.asarray(self.critic.values(self.critic_state.params, sharded))
-            with timer("adv"):
-                token_scores = np.asarray(ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask)))
-                rewards, adv, ret, kl_metrics = self._advantages(token_scores, old_lp, ref_lp, values, rmask,
-                                                                 ro.prompt_index)
-            metrics.update(kl_metrics)
-            batch.update(old_logprobs=old_lp, advantages=adv)
-            if ref_lp is not None:
-                batch["ref_logprobs"] = ref_lp
-            if cfg.actor.tis_threshold is not None:
-                batch["is_weights"] = np.asarray(ppo.truncated_is_weights(old_lp, ro.logprobs, rmask,
-                                                                          cfg.actor.tis_threshold))
-            if self.use_critic:
-                with timer("update_critic"):
-                    cbatch = {k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}
-                    cbatch.update(values=values, returns=ret)
-                    self.critic_state, cm = self._update(self.critic, self.critic_state, cbatch, cfg.critic,
-                                                         cfg.trainer.seed + 7919 * self.step)
-                metrics.update(_mean_metrics(cm, "critic"))
-            if self.step >= cfg.trainer.critic_warmup:
-                with timer("update_actor"):
-                    self.actor_state, am = self._update(self.actor, self.actor_state, batch, cfg.actor,
-                                                        cfg.trainer.seed + 104729 * self.step)
-                metrics.update(_mean_metrics(am, "actor"))
+        start = (self.sampler.state(), self.kl_coef)
+        try:
+            with timer("step"):
+                pre, ro, p_mask, skip = self._rollout_phases(timer, metrics)
+                if not skip:
+                    self._update_phases(timer, metrics)
+        except _Abandoned:
+            self.sampler.load_state(start[0])
+            self.kl_coef = start[1]
+            raise
         self.step += 1
         metrics.update(timer.times)
-        metrics.update(self._step_metrics(ro, scores, rewards, adv, ret, values, old_lp, rmask, p_mask, timer.times))
-        metrics["reward/errors"] = float(reward_errors)
+        metrics.update(pre)
+        metrics.update(self._perf_metrics(ro, p_mask, timer.times))
+        metrics["health/skipped_steps"] = float(skip)
         return metrics
 
-    def _step_metrics(self, ro, scores, rewards, adv, ret, values, old_lp, rmask, p_mask, times) -> dict[str, float]:
-        m: dict[str, float] = {"actor/kl_coef": self.kl_coef, "training/global_step": float(self.step),
+    def _rollout_phases(self, timer: Timer, metrics: dict[str, float]):
+        """gen -> reward -> old / ref log-probs, values -> advantages, then the health rules known before
+        the updates; leaves the update batches on `self`. Returns (rollout metrics, rollouts, prompt mask,
+        skip the updates)."""
+        cfg = self.cfg
+        rows = self.sampler.next_batch()
+        prompts = [self.train_ds.input_ids[i] for i in rows]
+        sampling = Sampling(n=self.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            top_k=cfg.rollout.top_k, max_tokens=self.R, seed=cfg.trainer.seed * 1_000_003 + self.step)
+        ro = self.generate(prompts, sampling, timer)
+        self._interrupt_point()
+        with timer("reward"):
+            scores, reward_errors = self.score(rows, ro)
+        scores = self._inject_scores(scores)
+        p_ids, p_mask = left_pad(prompts, self.tokenizer.pad_token_id, self.P)
+        batch = train_sequences(p_ids, p_mask, ro)
+        rmask = batch["response_mask"]
+        sharded = self.actor.shard_batch(batch)
+        with timer("old_log_prob"):
+            old_lp = np.asarray(self.actor.logprobs(self.actor_state.params, sharded)[0])
+        ref_lp = None
+        if self.use_ref:
+            with timer("ref"):
+                ref_lp = np.asarray(self.actor.logprobs(self.ref_params, sharded)[0])
+        values = None
+        if self.use_critic:
+            with timer("values"):
+                values = np.asarray(self.critic.values(self.critic_state.params, sharded))
+        self._interrupt_point()
+        with timer("adv"):
+            token_scores = np.asarray(ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask)))
+            rewards, adv, ret, kl_metrics = self._advantages(token_scores, old_lp, ref_lp, values, rmask,
+                                                             ro.prompt_index)
+        metrics.update(kl_metrics)
+        batch.update(old_logprobs=old_lp, advantages=adv)
+        if ref_lp is not None:
+            batch["ref_logprobs"] = ref_lp
+        if cfg.actor.tis_threshold is not None:
+            batch["is_weights"] = np.asarray(ppo.truncated_is_weights(old_lp, ro.logprobs, rmask,
+                                                                      cfg.actor.tis_threshold))
+        if self.use_critic:
+            cbatch = {k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}
+            cbatch.update(values=values, returns=ret)
+            self._critic_batch = cbatch
+        self._actor_batch = batch
+        pre = self._rollout_metrics(ro, scores, rewards, adv, ret, values, old_lp, rmask, p_mask)
+        pre["reward/errors"] = float(reward_errors)
+        found = self.health.decide(pre, "pre")
+        skip = any(f.action in ("skip_update", "stop") for f in found)
+        self._interrupt_point()
+        return pre, ro, p_mask, skip
+
+    def _update_phases(self, timer: Timer, metrics: dict[str, float]) -> None:
+        cfg = self.cfg
+        if self.use_critic:
+            with timer("update_critic"):
+                self.critic_state, cm = self._update(self.critic, self.critic_state, self._critic_batch, cfg.critic,
+                                                     cfg.trainer.seed + 7919 * self.step)
+            metrics.update(_mean_metrics(cm, "critic"))
+        if self.step >= cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                self.actor_state, am = self._update(self.actor, self.actor_state, self._actor_batch, cfg.actor,
+                                                    cfg.trainer.seed + 104729 * self.step)
+            metrics.update(_mean_metrics(am, "actor"))
+        self._actor_batch = self._critic_batch = None
+
+    def _inject_scores(self, scores: np.ndarray) -> np.ndarray:
+        """Test hook: scores as the reward phase returned them (subclasses inject faults here)."""
+        return scores
+
+    def _rollout_metrics(self, ro, scores, rewards, adv, ret, values, old_lp, rmask, p_mask) -> dict[str, float]:
+        m: dict[str, float] = {"actor/kl_coef": self.kl_coef, "training/global_step": float(self.step + 1),
                                "training/epoch": float(self.sampler.state()["epoch"])}
         m.update(stats("critic/score", scores))
         m.update(stats("critic/rewards", rewards.sum(-1)))
@@ -277,7 +363,11 @@ class PPOTrainer:
         m["response_length/clip_ratio"] = float(np.mean(lengths >= self.R))
         m.update(stats("prompt_length", p_mask.sum(-1)))
         m.update({k: float(v) for k, v in ppo.rollout_mismatch_metrics(old_lp, ro.logprobs, rmask).items()})
-        tokens = float(p_mask[ro.prompt_index].sum() + rmask.sum())
+        return m
+
+    def _perf_metrics(self, ro, p_mask, times) -> dict[str, float]:
+        m: dict[str, float] = {}
+        tokens = float(p_mask[ro.prompt_index].sum() + ro.lengths.sum())
         n_dev = jax.device_count()
         m["perf/total_num_tokens"] = tokens
         m["perf/throughput"] = tokens / times["timing_s/step"] / n_dev
@@ -308,25 +398,133 @@ class PPOTrainer:
         out["val/score"] = float(np.mean(scores))
         return out
 
+    @contextlib.contextmanager
+    def _stop_signals(self):
+        """SIGINT / SIGTERM ask the run to stop at the next phase boundary and write a checkpoint; a second
+        signal interrupts at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self._signal is not None:
+                raise KeyboardInterrupt
+            self._signal = signal.Signals(signum).name
+            log.warning("%s received: stopping after the current phase, then writing a checkpoint (send it again "
+                        "to abort at once)", self._signal)
+
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+    @contextlib.contextmanager
+    def _maybe_profile(self, step: int):
+        """A JAX profiler trace (TensorBoard / Perfetto) of step `step` when it is in trainer.profile_steps;
+        torch's profiler alongside when torch is loaded (the rollout engine), with the same region names."""
+        t = self.cfg.trainer
+        if step not in t.profile_steps:
+            yield
+            return
+        out = Path(t.profile_dir or self.run_dir / "profile") / f"step_{step}"
+        out.mkdir(parents=True, exist_ok=True)
+        torch_prof = None
+        if "torch" in sys.modules:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            torch_prof = torch.profiler.profile(activities=acts)
+        self._profiling = True
+        try:
+            opts = jax.profiler.ProfileOptions()
+            opts.python_tracer_level = 0  # Python call tracing floods the trace (and caps it) with no phase in it
+            with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=opts):
+                if torch_prof is not None:
+                    with torch_prof:
+                        yield
+                else:
+                    yield
+        finally:
+            self._profiling = False
+            if torch_prof is not None:
+                torch_prof.export_chrome_trace(str(out / "torch_trace.json"))
+            log.info("profile of step %d written to %s (tensorboard --logdir %s, or the *.trace.json.gz / "
+                     "torch_trace.json in https://ui.perfetto.dev)", step, out, out)
+
+    def _early_stop(self, val: dict[str, float]) -> bool:
+        t = self.cfg.trainer
+        if t.early_stop_patience <= 0 or not val:
+            return False
+        if t.early_stop_metric not in val:
+            raise ConfigError(f"trainer.early_stop_metric {t.early_stop_metric!r} is not a validation metric; "
+                              f"known: {sorted(val)}")
+        v = float(val[t.early_stop_metric])
+        sign = 1.0 if t.early_stop_mode == "max" else -1.0
+        if self.best_val is None or sign * (v - self.best_val) > t.early_stop_min_delta:
+            self.best_val, self.vals_since_best = v, 0
+            return False
+        self.vals_since_best += 1
+        return self.vals_since_best >= t.early_stop_patience
+
     def fit(self) -> dict[str, float]:
+        """Steps until done, early stop, a health stop, too many bad steps or a stop signal; sets
+        `stop_reason` and `exit_code` (0; 3 when the run's health ended it)."""
         t = self.cfg.trainer
         logger = MetricsLogger(self.run_dir, list(t.logger), total_steps=self.total_steps, start_step=self.step,
                                project=t.project_name, name=t.experiment_name)
         last: dict[str, float] = {}
         try:
-            if t.val_before_train and self.step == 0:
-                last = self.validate()
-                logger.log(0, last)
-            while self.step < self.total_steps:
-                metrics = self.train_step()
-                done = self.step >= self.total_steps
-                if t.test_freq > 0 and (self.step % t.test_freq == 0 or done):
-                    metrics.update(self.validate())
-                logger.log(self.step, metrics)
-                last = metrics
-                if (t.save_freq > 0 and self.step % t.save_freq == 0) or done:
+            with self._stop_signals():
+                if t.val_before_train and self.step == 0:
+                    last = self.validate()
+                    self._early_stop(last)
+                    logger.log(0, last)
+                while self.step < self.total_steps and self._signal is None:
+                    try:
+                        with self._maybe_profile(self.step + 1):
+                            metrics = self.train_step()
+                    except _Abandoned:
+                        break
+                    found = self.health.report(metrics)
+                    bad = any(f.rule == "nonfinite" for f in found) or metrics.get("actor/nonfinite_updates", 0) \
+                        or metrics.get("critic/nonfinite_updates", 0)
+                    self.bad_steps = self.bad_steps + 1 if bad else 0
+                    metrics["health/bad_steps"] = float(self.bad_steps)
+                    done = self.step >= self.total_steps
+                    stop = [f for f in found if f.action == "stop"]
+                    if t.test_freq > 0 and (self.step % t.test_freq == 0 or done) and self._signal is None:
+                        val = self.validate()
+                        metrics.update(val)
+                        if self._early_stop(val):
+                            self.stop_reason = (f"early stop: {t.early_stop_metric} did not improve on "
+                                                f"{self.best_val:.4f} in {t.early_stop_patience} validations")
+                    logger.log(self.step, metrics)
+                    last = metrics
+                    if self.bad_steps >= t.max_bad_steps:
+                        good = self.checkpointer.latest_step()
+                        self.stop_reason = (f"{self.bad_steps} consecutive steps with NaN/inf (trainer.max_bad_steps)"
+                                            f"; no checkpoint written, the last good one is step {good}")
+                        self.exit_code = 3
+                        break
+                    if stop:
+                        self.stop_reason = "health: " + ", ".join(f"{f.metric} = {f.value:.4g} ({f.rule})" for f in stop)
+                        self.exit_code = 3
+                    if (t.save_freq > 0 and self.step % t.save_freq == 0) or done or self.stop_reason:
+                        self.save_checkpoint()
+                    if self.stop_reason:
+                        break
+                if self._signal is not None:
                     self.save_checkpoint()
+                    self.stop_reason = (f"{self._signal}: stopped at step {self.step}, checkpoint written to "
+                                        f"{self.checkpointer.directory}/{self.step}; run the same command again to "
+                                        f"resume (trainer.resume_mode=auto)")
         finally:
             logger.close()
             self.checkpointer.close()
+        if self.stop_reason:
+            log.warning("%s", self.stop_reason)
         return last

@@ -1,0 +1,208 @@
+"""Operating a run: profiler traces of chosen steps, the health monitor and its actions, NaN/inf never
+reaching the parameters, early stopping, and SIGTERM -> checkpoint -> exact resume."""
+
+import gzip
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxppo.config import load_config
+from jaxppo.trainer import PPOTrainer
+from jaxppo.train import make_engine_factory
+from tests.train_helpers import FAST, ROOT, read_metrics, run_train
+
+# the FAST default on the 8 host devices of the test process (data=8: one sequence per device per micro-batch)
+MESH8 = ["mesh.data=-1", "actor.ppo_micro_batch_size_per_device=1", "critic.ppo_micro_batch_size_per_device=1",
+         "actor.log_prob_micro_batch_size_per_device=2", "critic.log_prob_micro_batch_size_per_device=2",
+         "trainer.sft_warmup_steps=0", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+
+
+def make_trainer(tmp_path, *overrides, cls=PPOTrainer):
+    cfg = load_config(ROOT / "configs" / "default.yaml",
+                      [*FAST, *MESH8, f"trainer.default_local_dir={tmp_path / 'run'}", *overrides])
+    return cls(cfg, make_engine_factory(cfg))
+
+
+def host(tree):
+    return [np.array(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def same(a, b) -> bool:
+    return all(np.array_equal(x, y, equal_nan=False) for x, y in zip(a, b))
+
+
+class NaNScores(PPOTrainer):
+    """The reward phase returns NaN scores from the second step on."""
+
+    def _inject_scores(self, scores):
+        return np.full_like(scores, np.nan) if self.step >= 1 else scores
+
+
+class NaNAdvantages(PPOTrainer):
+    """Advantages and returns become NaN from the second step on: the losses and gradients of every
+    mini-batch are NaN while the rewards stay finite (so only the in-update guard can catch it)."""
+
+    def _advantages(self, *args):
+        rewards, adv, ret, m = super()._advantages(*args)
+        if self.step >= 1:
+            adv, ret = np.full_like(adv, np.nan), np.full_like(ret, np.nan)
+        return rewards, adv, ret, m
+
+
+class KLBlowUp(PPOTrainer):
+    """Old log-probs shifted by +3 nats: the actor's ppo_kl (old - new) is ~3, far above 0.05."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        inner = self.actor.logprobs
+        self.actor.logprobs = lambda params, batch, with_entropy=False: tuple(
+            (lp + 3.0 if i == 0 else lp) for i, lp in enumerate(inner(params, batch, with_entropy)))
+
+
+@pytest.mark.slow
+def test_profile_of_one_step_has_every_phase(tmp_path):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "trainer.profile_steps=[1]",
+                      "trainer.logger=[jsonl]")
+    tr.fit()
+    out = tmp_path / "run" / "profile" / "step_1"
+    perfetto = list(out.rglob("*.trace.json.gz"))
+    assert list(out.rglob("*.xplane.pb")) and perfetto, sorted(out.rglob("*"))
+    jax_trace = gzip.decompress(perfetto[0].read_bytes()).decode()
+    torch_trace = (out / "torch_trace.json").read_text()
+    for phase in ("gen", "sync", "reward", "old_log_prob", "values", "adv", "update_critic", "update_actor"):
+        assert f'"{phase}"' in jax_trace, phase
+    for phase in ("gen", "sync"):  # the torch engine's side of the step, under the same names
+        assert f'"{phase}"' in torch_trace, phase
+
+
+@pytest.mark.slow
+def test_nan_rewards_are_skipped_counted_and_never_reach_the_parameters(tmp_path):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.max_bad_steps=5", cls=NaNScores)
+    tr.fit()  # step 1 clean, steps 2-3 NaN rewards
+    m = read_metrics(tmp_path / "run")
+    assert m[1]["health/skipped_steps"] == 0 and m[1]["health/nonfinite"] == 0
+    before_actor, before_critic = host(tr.actor_state), host(tr.critic_state)
+    tr2 = make_trainer(tmp_path, "trainer.total_training_steps=4", "trainer.max_bad_steps=5", cls=NaNScores)
+    assert tr2.step == 3 and same(host(tr2.actor_state), before_actor)  # resumed from the final checkpoint
+    tr2.fit()  # one more NaN step
+    assert same(host(tr2.actor_state), before_actor) and same(host(tr2.critic_state), before_critic)
+    m = read_metrics(tmp_path / "run")
+    for step in (2, 3, 4):
+        assert m[step]["health/skipped_steps"] == 1 and m[step]["health/nonfinite"] == 1, step
+        assert "actor/pg_loss" not in m[step]
+    assert [m[s]["health/bad_steps"] for s in (1, 2, 3, 4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_nan_gradients_are_skipped_and_the_run_stops_after_max_bad_steps(tmp_path):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=6", "trainer.save_freq=1", "trainer.max_bad_steps=2",
+                      cls=NaNAdvantages)
+    snapshots = {}
+    step = tr.train_step
+    tr.train_step = lambda: (snapshots.setdefault(tr.step, host(tr.actor_state.params)), step())[1]
+    tr.fit()
+    m = read_metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2, 3] and tr.exit_code == 3 and "max_bad_steps" in tr.stop_reason
+    for s in (2, 3):
+        assert m[s]["actor/nonfinite_updates"] == m[s]["actor/skipped_updates"] == 2  # both mini-batches
+        assert m[s]["critic/nonfinite_updates"] == 2
+    assert not same(snapshots[0], snapshots[1])  # the clean step moved the parameters
+    assert same(snapshots[1], host(tr.actor_state.params))  # the NaN steps did not
+    assert int(tr.actor_state.step) == 2  # optimizer steps: only the clean step's two mini-batches
+    ckpts = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert ckpts == [1, 2]  # step 3 (the second bad one) wrote nothing
+    restored = make_trainer(tmp_path, "trainer.total_training_steps=6")
+    assert restored.step == 2 and same(host(restored.actor_state.params), snapshots[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["warn", "skip_update", "stop"])
+def test_kl_blow_up_triggers_the_configured_action(action, tmp_path, caplog):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=3", f"trainer.health.ppo_kl_high.action={action}",
+                      cls=KLBlowUp)
+    before = host(tr.actor_state.params)
+    with caplog.at_level(logging.WARNING, logger="jaxppo.health"):
+        tr.fit()
+    m = read_metrics(tmp_path / "run")
+    reports = [r for r in caplog.records if "actor/ppo_kl" in r.getMessage() and "ppo_kl_high" not in r.getMessage()]
+    assert len(reports) == 1, [r.getMessage() for r in caplog.records]  # once per episode, not per step
+    assert "kl" in reports[0].getMessage().lower() and action in reports[0].getMessage()
+    assert m[1]["actor/ppo_kl"] > 2.0 and m[1]["health/ppo_kl_high"] == 1
+    if action == "warn":
+        assert sorted(m) == [1, 2, 3] and not same(before, host(tr.actor_state.params))
+        assert all(m[s]["health/ppo_kl_high"] == 1 for s in (1, 2, 3))
+    elif action == "skip_update":
+        assert sorted(m) == [1, 2, 3] and same(before, host(tr.actor_state.params))
+        assert all(m[s]["actor/skipped_updates"] == 2 for s in (1, 2, 3))
+    else:
+        assert sorted(m) == [1] and tr.exit_code == 3 and "ppo_kl" in tr.stop_reason
+        assert (tmp_path / "run" / "checkpoints" / "1").is_dir()  # stop writes a checkpoint first
+
+
+@pytest.mark.slow
+def test_early_stopping_ends_the_run_with_a_checkpoint(tmp_path):
+    class Flat(PPOTrainer):
+        def validate(self):
+            return {"val/score": 0.5, "val/x/score": 0.5}
+
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=10", "trainer.test_freq=1",
+                      "trainer.val_before_train=true", "trainer.early_stop_patience=2", cls=Flat)
+    tr.fit()
+    assert tr.step == 2 and tr.exit_code == 0 and tr.stop_reason.startswith("early stop")
+    assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
+
+
+def test_health_monitor_reports_once_per_episode():
+    from jaxppo.health import HealthConfig, HealthMonitor
+
+    mon = HealthMonitor(HealthConfig(recover_steps=2))
+    seq = [0.2, 0.2, 0.01, 0.2, 0.01, 0.01, 0.2]  # actor/ppo_kl: high, high, ok, high, ok, ok (ends), high
+    firing = []
+    for v in seq:
+        m = {"actor/ppo_kl": v}
+        mon.report(m)
+        firing.append(m["health/ppo_kl_high"])
+    assert firing == [1, 1, 0, 1, 0, 0, 1]
+    assert mon.findings == 2  # the second episode began only after two healthy steps in a row
+    m = {"actor/ppo_kl": 0.01, "critic/score/mean": float("nan")}
+    assert [f.rule for f in mon.report(m)] == ["nonfinite"] and m["health/nonfinite"] == 1.0
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path):
+    common = [*FAST, "trainer.total_training_steps=5", "trainer.save_freq=-1", "trainer.test_freq=-1",
+              "trainer.seed=5", "trainer.sft_warmup_steps=0"]
+    straight = tmp_path / "straight"
+    run_train(straight, *common)
+    run = tmp_path / "stopped"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={run}", *common],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").is_file() and '"step": 2' in (run / "metrics.jsonl").read_text()):
+        assert proc.poll() is None, "run ended before step 2"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM" in out and "resume" in out
+    ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(ckpts) == 1 and 2 <= ckpts[0] < 5, ckpts
+    run_train(run, *common)
+    a, b = read_metrics(straight), read_metrics(run)
+    assert sorted(b) == [0, 1, 2, 3, 4, 5]
+    for step in range(ckpts[0] + 1, 6):
+        ra = {k: v for k, v in a[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
+        rb = {k: v for k, v in b[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
