@@ -2,6 +2,10 @@
 
 Subcommands:
   logits (default)  forward pass parity on random left-padded batches.
+  ppo-step          one PPO step (old / ref log-probs, values, advantages, critic and actor updates) in
+                    jaxppo and in the plain torch reference (bridge/reference.py), same weights, same
+                    batch, same config; per quantity both values and their relative difference, and with
+                    --time the median time of each phase in each framework.
 
 The last line printed is one JSON object (machine-readable); a table precedes it.
 """
@@ -10,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-SUBCOMMANDS = ("logits",)
+SUBCOMMANDS = ("logits", "ppo-step")
 
 
 def random_left_padded_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int):
@@ -83,10 +89,323 @@ def _is_score(model_dir: str) -> bool:
     return load_config(model_dir)[1] == "score"
 
 
+# ---------------------------------------------------------------- ppo-step
+
+
+def _rel(a, b, scale: float = 1e-6, mask=None) -> float:
+    """max |a - b| / max(max |b|, scale): normwise relative difference (valid entries only)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if mask is not None:
+        a, b = a[np.asarray(mask) > 0], b[np.asarray(mask) > 0]
+    if a.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), scale))
+
+
+def _sample_batch(actor_params, model_dir, cfg, dtype: str, device: str, num_seqs: int, prompt_len: int,
+                  response_len: int, n: int, seed: int, pad_id: int, vocab: int):
+    """Random prompts (lengths P/2..P, left-padded), responses sampled by the transformers rollout engine
+    from the actor's weights (pushed through DLPack), cut at random lengths 1..R (a random model
+    rarely samples an EOS), random 0/1 scores."""
+    from bridge.engines import make_engine
+    from jaxppo.data import left_pad
+    from jaxppo.models.hf_io import export_hf_arrays
+    from jaxppo.rollout import Sampling, train_sequences
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, size=int(k)) for k in rng.integers(max(prompt_len // 2, 1), prompt_len + 1,
+                                                                            size=num_seqs // n)]
+    engine = make_engine("hf", model_dir=model_dir, dtype=dtype, device=device, pad_token_id=pad_id)
+    engine.update_weights(export_hf_arrays(actor_params, {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]))
+    ro = engine.generate([p.tolist() for p in prompts], Sampling(n=n, temperature=cfg.rollout.temperature,
+                                                                  max_tokens=response_len, seed=seed))
+    del engine
+    for i, length in enumerate(rng.integers(1, response_len + 1, size=num_seqs)):
+        ro.response_mask[i, length:] = 0.0
+        ro.response_ids[i, length:] = pad_id
+    p_ids, p_mask = left_pad(prompts, pad_id, prompt_len)
+    batch = train_sequences(p_ids, p_mask, ro)
+    scores = rng.integers(0, 2, size=num_seqs).astype(np.float32)
+    return batch, scores, ro.prompt_index
+
+
+def ppo_step_report(args, overrides: list[str]) -> dict:
+    import dataclasses
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from bridge import reference as ref_torch
+    from jaxppo import ppo
+    from jaxppo.config import load_config
+    from jaxppo.engine import ActorEngine, CriticEngine, lr_schedule
+    from jaxppo.errors import ConfigError
+    from jaxppo.models import load_model, save_hf_checkpoint
+    from jaxppo.models.hf_io import export_hf_arrays
+    from jaxppo.sharding import make_mesh
+
+    cfg = load_config(args.config, overrides)
+    alg = cfg.algorithm
+    if alg.adv_estimator != "gae":
+        raise ConfigError("ppo-step compares the GAE pipeline (actor + critic); algorithm.adv_estimator must be gae")
+    B, P, R, K = args.batch, args.prompt_len, args.response_len, args.mini_batches
+    shards = jax.device_count()
+    mb = B // K
+    if B % K or mb % args.micro_batches or (mb // args.micro_batches) % shards:
+        raise ConfigError(f"--batch {B} must split into --mini-batches {K} x --micro-batches {args.micro_batches} "
+                          f"x {shards} devices")
+    per_dev = mb // args.micro_batches // shards
+    jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    autocast = None if args.dtype == "float32" else torch.bfloat16
+    mesh = make_mesh({"data": -1})
+    impl = cfg.model.attention_impl or ("cudnn" if jax.default_backend() == "gpu" and args.dtype != "float32" else None)
+    kw = dict(mesh=mesh, dtype=jdt, param_dtype=jnp.float32, remat=cfg.model.remat, attention_impl=impl)
+    a_cfg = dataclasses.replace(cfg.actor, ppo_micro_batch_size_per_device=per_dev,
+                                log_prob_micro_batch_size_per_device=per_dev)
+    c_cfg = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=per_dev,
+                                log_prob_micro_batch_size_per_device=per_dev)
+    use_ref = cfg.actor.use_kl_loss or alg.use_kl_in_reward
+
+    # ---- the same weights in both frameworks
+    actor_mod, actor_params, mcfg = load_model(args.model, **kw)
+    ref_params = load_model(args.ref, **kw)[1] if (use_ref and args.ref) else actor_params
+    critic_mod, critic_params, _ = load_model(args.critic or args.model, "value", rng=jax.random.PRNGKey(args.seed),
+                                              **kw)
+    tmp = tempfile.TemporaryDirectory(prefix="jaxppo-compare-")
+    critic_dir = args.critic or str(save_hf_checkpoint(critic_params, mcfg, Path(tmp.name) / "critic", head="value"))
+    dev = args.device
+    t_actor = ref_torch.load_hf_model(args.model, "float32", dev).train()
+    t_critic = ref_torch.load_hf_model(critic_dir, "float32", dev).train()
+    t_ref = ref_torch.load_hf_model(args.ref, "float32", dev) if (use_ref and args.ref) else t_actor
+    if cfg.model.remat != "none":
+        for m in (t_actor, t_critic):
+            m.gradient_checkpointing_enable()
+
+    batch_np, scores, group_ids = _sample_batch(actor_params, args.model, cfg, args.dtype, dev, B, P, R,
+                                                cfg.rollout.n, args.seed, mcfg.pad_token_id or 0, mcfg.vocab_size)
+    rmask = batch_np["response_mask"]
+    temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+
+    # ---- jaxppo
+    total = K * cfg.actor.ppo_epochs
+    actor = ActorEngine(actor_mod, mesh, a_cfg, R, total, temp)
+    critic = CriticEngine(critic_mod, mesh, c_cfg, R, total)
+    a_state, c_state = actor.init_state(actor_params), critic.init_state(critic_params)
+    a0 = {n: np.asarray(x) for n, x in export_hf_arrays(a_state.params, jnp.float32)}
+    c0 = {n: np.asarray(x) for n, x in export_hf_arrays(c_state.params, jnp.float32)}
+    sharded = actor.shard_batch(batch_np)
+    J: dict = {}
+    J["old_logprobs"] = np.asarray(actor.logprobs(a_state.params, sharded)[0])
+    J["ref_logprobs"] = np.asarray(actor.logprobs(ref_params, sharded)[0]) if use_ref else None
+    J["values"] = np.asarray(critic.values(c_state.params, sharded))
+    token_scores = ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask))
+    rewards = token_scores
+    if alg.use_kl_in_reward:
+        rewards, _ = ppo.apply_kl_penalty(token_scores, J["old_logprobs"], J["ref_logprobs"], rmask,
+                                          alg.kl_ctrl.kl_coef, alg.kl_penalty)
+    adv_fn = jax.jit(lambda r, m, v: ppo.compute_advantages("gae", r, m, values=v, group_ids=jnp.asarray(group_ids),
+                                                            gamma=alg.gamma, lam=alg.lam))
+    adv, ret = adv_fn(jnp.asarray(rewards), jnp.asarray(rmask), jnp.asarray(J["values"]))
+    J["token_rewards"], J["advantages"], J["returns"] = np.asarray(rewards), np.asarray(adv), np.asarray(ret)
+
+    def jax_batches():
+        full = dict(batch_np, old_logprobs=J["old_logprobs"], advantages=J["advantages"], values=J["values"],
+                    returns=J["returns"])
+        if use_ref:
+            full["ref_logprobs"] = J["ref_logprobs"]
+        return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(K)]
+
+    J["critic"], J["actor"] = [], []
+    for part in jax_batches():
+        c_state, m = critic.update(c_state, critic.shard_batch({k: part[k] for k in (
+            "input_ids", "attention_mask", "positions", "response_mask", "values", "returns")}))
+        J["critic"].append(jax.device_get(m))
+    for part in jax_batches():
+        a_state, m = actor.update(a_state, actor.shard_batch({k: v for k, v in part.items() if k not in (
+            "values", "returns")}))
+        J["actor"].append(jax.device_get(m))
+    a_delta = {n: np.asarray(x) - a0[n] for n, x in export_hf_arrays(a_state.params, jnp.float32)}
+    c_delta = {n: np.asarray(x) - c0[n] for n, x in export_hf_arrays(c_state.params, jnp.float32)}
+
+    # ---- plain torch
+    tb = {k: torch.as_tensor(v, device=dev) for k, v in batch_np.items()}
+    tb = {k: (v.long() if k in ("input_ids", "attention_mask", "positions") else v) for k, v in tb.items()}
+    T: dict = {}
+    with torch.no_grad():
+        T["old_logprobs"] = ref_torch.response_logprobs(t_actor, tb, R, temp, autocast)[0]
+        T["ref_logprobs"] = ref_torch.response_logprobs(t_ref, tb, R, temp, autocast)[0] if use_ref else None
+        T["values"] = ref_torch.response_values(t_critic, tb, R, autocast)
+        t_mask = tb["response_mask"]
+        t_scores = torch.as_tensor(np.array(token_scores), device=dev)
+        t_rewards = t_scores
+        if alg.use_kl_in_reward:
+            t_rewards = t_scores - alg.kl_ctrl.kl_coef * ref_torch.kl_estimate(
+                T["old_logprobs"], T["ref_logprobs"], alg.kl_penalty) * t_mask
+        T["token_rewards"] = t_rewards
+        T["advantages"], T["returns"] = ref_torch.gae(t_rewards, T["values"], t_mask, alg.gamma, alg.lam)
+    a_opt = ref_torch.make_adamw(t_actor, cfg.actor.optim)
+    c_opt = ref_torch.make_adamw(t_critic, cfg.critic.optim)
+    ta0 = {k: v.detach().float().clone() for k, v in t_actor.state_dict().items()}
+    tc0 = {k: v.detach().float().clone() for k, v in t_critic.state_dict().items()}
+    a_lr, c_lr = lr_schedule(cfg.actor.optim, total), lr_schedule(cfg.critic.optim, total)
+
+    def torch_batches():
+        full = dict(tb, old_logprobs=T["old_logprobs"], advantages=T["advantages"], values=T["values"],
+                    returns=T["returns"])
+        if use_ref:
+            full["ref_logprobs"] = T["ref_logprobs"]
+        return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(K)]
+
+    T["critic"] = [ref_torch.critic_update(t_critic, c_opt, part, cfg.critic, R, float(c_lr(i)), args.micro_batches,
+                                           autocast) for i, part in enumerate(torch_batches())]
+    T["actor"] = [ref_torch.actor_update(t_actor, a_opt, part, cfg.actor, R, float(a_lr(i)), args.micro_batches, temp,
+                                         autocast) for i, part in enumerate(torch_batches())]
+    ta_delta = {k: v.detach().float() - ta0[k] for k, v in t_actor.state_dict().items()}
+    tc_delta = {k: v.detach().float() - tc0[k] for k, v in t_critic.state_dict().items()}
+
+    # ---- side by side
+    rows = []
+    lp_scale = float(np.mean(np.abs(J["old_logprobs"][rmask > 0])))
+    adv_scale = float(np.mean(np.abs(J["advantages"][rmask > 0])))
+
+    def add(name, j, t, scale=1e-6, mask=None):
+        t = t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        rows.append({"quantity": name, "jax": float(np.mean(np.asarray(j)[mask > 0])) if mask is not None else float(j),
+                     "torch": float(np.mean(t[mask > 0])) if mask is not None else float(t),
+                     "rel_diff": _rel(j, t, scale, mask)})
+
+    for k in ("old_logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns"):
+        if J[k] is not None:
+            add(k, J[k], T[k], mask=rmask)
+    scales = {"ppo_kl": lp_scale, "kl_loss": lp_scale, "pg_loss": adv_scale, "pg_clipfrac": 1.0, "vf_clipfrac": 1.0}
+    for i in range(K):
+        for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm") + (("kl_loss",) if cfg.actor.use_kl_loss
+                                                                                  else ()):
+            add(f"actor/{k}[{i}]", J["actor"][i][k], T["actor"][i][k], scales.get(k, 1e-6))
+        for k in ("vf_loss", "vf_clipfrac", "grad_norm"):
+            add(f"critic/{k}[{i}]", J["critic"][i][k], T["critic"][i][k], scales.get(k, 1e-6))
+
+    def param_rows(name, jd, td):
+        """||delta_jax - delta_torch|| / ||delta_torch|| (L2 over all parameters), and the worst single tensor.
+        An elementwise max is not used: Adam's first steps are ~lr * sign(g), so the few elements whose
+        gradient is rounding noise in both frameworks (|g| ~ eps) move by arbitrary amounts."""
+        tn = {n: td[n].cpu().numpy().astype(np.float64) for n in jd}
+        err = {n: float(np.sum((jd[n] - tn[n]) ** 2)) for n in jd}
+        ref = {n: float(np.sum(tn[n] ** 2)) for n in jd}
+        worst = max(jd, key=lambda n: err[n] / max(ref[n], 1e-300))
+        rows.append({"quantity": f"{name}/param_update", "jax": float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2)
+                                                                                   for v in jd.values()))),
+                     "torch": float(np.sqrt(sum(ref.values()))),
+                     "rel_diff": float(np.sqrt(sum(err.values()) / max(sum(ref.values()), 1e-300)))})
+        rows.append({"quantity": f"{name}/param_update_worst_tensor", "jax": float(np.sqrt(np.sum(jd[worst] ** 2))),
+                     "torch": float(np.sqrt(ref[worst])), "rel_diff": float(np.sqrt(err[worst] / max(ref[worst], 1e-300))),
+                     "tensor": worst, "check": False})  # diagnostic: where the update differs most
+
+    param_rows("actor", a_delta, ta_delta)
+    param_rows("critic", c_delta, tc_delta)
+    report = {"subcommand": "ppo-step", "model": args.model, "dtype": args.dtype, "device": dev,
+              "jax_backend": jax.default_backend(), "batch": B, "prompt_len": P, "response_len": R,
+              "mini_batches": K, "micro_batches": args.micro_batches, "loss_agg_mode": cfg.actor.loss_agg_mode,
+              "use_kl_in_reward": alg.use_kl_in_reward, "use_kl_loss": cfg.actor.use_kl_loss,
+              "valid_response_tokens": int(rmask.sum()), "rows": rows,
+              "adam_eps": cfg.actor.optim.eps,
+              "max_rel_diff": max(r["rel_diff"] for r in rows if r.get("check", True))}
+    if args.time:
+        report["timing"] = _time_phases(args, actor, critic, a_state, c_state, sharded, jax_batches, adv_fn, rewards,
+                                        rmask, J, T, t_actor, t_critic, a_opt, c_opt, tb, torch_batches, t_rewards,
+                                        cfg, R, temp, autocast, a_lr, c_lr)
+    tmp.cleanup()
+    return report
+
+
+def _median_time(fn, repeats: int, sync) -> float:
+    fn()
+    sync()  # warm-up (compiles)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _time_phases(args, actor, critic, a_state, c_state, sharded, jax_batches, adv_fn, rewards, rmask, J, T, t_actor,
+                 t_critic, a_opt, c_opt, tb, torch_batches, t_rewards, cfg, R, temp, autocast, a_lr, c_lr) -> dict:
+    """Median wall time of each phase, each framework, same call. Updates run on the evolving states."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from bridge import reference as ref_torch
+
+    state = {"a": a_state, "c": c_state}
+    out = {"jax": {}, "torch": {}}
+    last = {}
+
+    def jsync():
+        jax.block_until_ready(last.get("x"))
+
+    def upd(kind):
+        engine, parts = (actor, jax_batches()) if kind == "a" else (critic, jax_batches())
+        for part in parts:
+            if kind == "c":
+                part = {k: part[k] for k in ("input_ids", "attention_mask", "positions", "response_mask", "values",
+                                             "returns")}
+            else:
+                part = {k: v for k, v in part.items() if k not in ("values", "returns")}
+            state[kind], last["x"] = engine.update(state[kind], engine.shard_batch(part))
+
+    jx = {"old_log_prob": lambda: last.__setitem__("x", actor.logprobs(state["a"].params, sharded)),
+          "values": lambda: last.__setitem__("x", critic.values(state["c"].params, sharded)),
+          "adv": lambda: last.__setitem__("x", adv_fn(jnp.asarray(rewards), jnp.asarray(rmask),
+                                                      jnp.asarray(J["values"]))),
+          "update_critic": lambda: upd("c"), "update_actor": lambda: upd("a")}
+    for name, fn in jx.items():
+        out["jax"][name] = _median_time(fn, args.repeats, jsync)
+
+    cuda = tb["input_ids"].is_cuda
+    tsync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def t_no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
+    tx = {"old_log_prob": t_no_grad(lambda: ref_torch.response_logprobs(t_actor, tb, R, temp, autocast)),
+          "values": t_no_grad(lambda: ref_torch.response_values(t_critic, tb, R, autocast)),
+          "adv": t_no_grad(lambda: ref_torch.gae(t_rewards, T["values"], tb["response_mask"], cfg.algorithm.gamma,
+                                                 cfg.algorithm.lam)),
+          "update_critic": lambda: [ref_torch.critic_update(t_critic, c_opt, p, cfg.critic, R, float(c_lr(0)),
+                                                            args.micro_batches, autocast) for p in torch_batches()],
+          "update_actor": lambda: [ref_torch.actor_update(t_actor, a_opt, p, cfg.actor, R, float(a_lr(0)),
+                                                          args.micro_batches, temp, autocast) for p in torch_batches()]}
+    for name, fn in tx.items():
+        out["torch"][name] = _median_time(fn, args.repeats, tsync)
+    out["speedup"] = {k: out["torch"][k] / out["jax"][k] for k in out["jax"]}
+    return out
+
+
 def _print_table(report: dict) -> None:
     width = max(len(k) for k in report)
     for k, v in report.items():
+        if k in ("rows", "timing"):
+            continue
         print(f"{k:<{width}}  {v}")
+    if "rows" in report:
+        print(f"\n{'quantity':<34} {'jax':>14} {'torch':>14} {'rel diff':>10}")
+        for r in report["rows"]:
+            note = f"  ({r['tensor']}; not in max_rel_diff)" if "tensor" in r else ""
+            print(f"{r['quantity']:<34} {r['jax']:>14.6g} {r['torch']:>14.6g} {r['rel_diff']:>10.2e}{note}")
+    if "timing" in report:
+        t = report["timing"]
+        print(f"\n{'phase (median s)':<18} {'jax':>10} {'torch':>10} {'torch/jax':>10}")
+        for k in t["jax"]:
+            print(f"{k:<18} {t['jax'][k]:>10.4f} {t['torch'][k]:>10.4f} {t['speedup'][k]:>10.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,17 +422,48 @@ def main(argv: list[str] | None = None) -> int:
     lg.add_argument("--seq", type=int, default=32)
     lg.add_argument("--seed", type=int, default=0)
     lg.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the torch model runs")
-    args = parser.parse_args(argv)
+    ps = sub.add_parser("ppo-step", help="one PPO step in jaxppo and in plain torch, side by side",
+                        description="Trailing key=value arguments are jaxppo config overrides (loss_agg_mode, "
+                                    "KL, clip ratios, optimizer, ...), e.g. actor.loss_agg_mode=seq-mean-token-sum "
+                                    "algorithm.use_kl_in_reward=true actor.use_kl_loss=true")
+    ps.add_argument("--model", required=True, help="actor: Hugging Face causal-LM directory")
+    ps.add_argument("--critic", default=None, help="critic: token-classification directory (default: the actor "
+                                                   "with a new value head, the same in both frameworks)")
+    ps.add_argument("--ref", default=None, help="reference policy directory (default: the actor)")
+    ps.add_argument("--config", default=None, help="jaxppo YAML config (default: built-in defaults)")
+    ps.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="compute dtype (fp32 master weights in both; bf16 = autocast in torch)")
+    ps.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the torch side runs")
+    ps.add_argument("--batch", type=int, default=8, help="sequences (prompts x rollout.n)")
+    ps.add_argument("--prompt-len", type=int, default=16)
+    ps.add_argument("--response-len", type=int, default=16)
+    ps.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per update (the 2nd sees ratio != 1)")
+    ps.add_argument("--micro-batches", type=int, default=2, help="gradient-accumulation micro-batches per mini-batch")
+    ps.add_argument("--seed", type=int, default=0)
+    ps.add_argument("--time", action="store_true", help="also time each phase in each framework (median)")
+    ps.add_argument("--repeats", type=int, default=5)
+    ps.add_argument("--out", default=None, help="also write the JSON report here")
+    args, rest = parser.parse_known_args(argv)
+    bad = [r for r in rest if "=" not in r or r.startswith("-")]
+    if bad or (rest and args.cmd != "ppo-step"):
+        parser.error(f"unrecognized arguments: {' '.join(bad or rest)}")
 
     from jaxppo.errors import JaxppoError
 
     try:
-        report = logits_report(args.model, args.dtype, args.batch, args.seq, args.seed, args.device)
+        if args.cmd == "logits":
+            report = logits_report(args.model, args.dtype, args.batch, args.seq, args.seed, args.device)
+        else:
+            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the accelerator
+            report = ppo_step_report(args, rest)
     except JaxppoError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     _print_table(report)
-    print(json.dumps(report))
+    line = json.dumps(report)
+    if getattr(args, "out", None):
+        Path(args.out).write_text(line + "\n")
+    print(line)
     return 0
 
 

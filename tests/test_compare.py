@@ -2,6 +2,10 @@
 
 import json
 
+import pytest
+
+from tests.helpers import make_hf_checkpoint
+
 from jaxppo.compare import main
 
 
@@ -18,3 +22,48 @@ def test_compare_explicit_subcommand_bf16(tiny_qwen, capsys):
     assert main(["logits", "--model", str(tiny_qwen), "--dtype", "bfloat16", "--batch", "2", "--seq", "8"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["dtype"] == "bfloat16" and 0 < report["max_abs_logprob_diff"] < 0.5
+
+
+# ppo-step: one PPO step in jaxppo and in the plain torch reference (bridge/reference.py). Adam divides
+# each gradient element by its own magnitude, so elements whose gradient is fp32 rounding noise in both
+# frameworks (|g| ~ 1e-8) take steps decided by rounding; with eps above that level (1e-6) the updates
+# are comparable. Every other setting is jaxppo's default, lr raised so the second mini-batch sees a
+# moved policy (ratio != 1, clipping active).
+PARITY = ["actor.optim.lr=1e-3", "critic.optim.lr=1e-3", "actor.optim.eps=1e-6", "critic.optim.eps=1e-6"]
+
+
+@pytest.fixture(scope="module")
+def ref_policy(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("ref_policy"), "qwen2", seed=11)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("kl", ["none", "in_reward", "as_loss"])
+def test_ppo_step_matches_torch_reference(agg, kl, tiny_qwen, ref_policy, capsys):
+    extra = {"none": [], "in_reward": ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.1"],
+             "as_loss": ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"]}[kl]
+    ref = ["--ref", str(ref_policy)] if kl != "none" else []
+    assert main(["ppo-step", "--model", str(tiny_qwen), *ref, "--batch", "32", "--seed", "3", *PARITY,
+                 f"actor.loss_agg_mode={agg}", f"critic.loss_agg_mode={agg}", *extra]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["quantity"]: r for r in report["rows"]}
+    for name in ("old_logprobs", "values", "advantages", "returns", "actor/pg_loss[1]", "actor/ppo_kl[1]",
+                 "actor/grad_norm[0]", "actor/grad_norm[1]", "critic/vf_loss[1]", "critic/grad_norm[1]",
+                 "actor/param_update", "critic/param_update"):
+        assert name in rows, name
+    if kl != "none":
+        assert "ref_logprobs" in rows
+        assert abs(rows["ref_logprobs"]["torch"] - rows["old_logprobs"]["torch"]) > 0.1  # a different policy
+    if kl == "in_reward":  # the KL penalty reaches every response token, not only the scored last one
+        assert rows["token_rewards"]["jax"] != pytest.approx(0.0, abs=1e-3)
+    if kl == "as_loss":
+        assert "actor/kl_loss[1]" in rows and rows["actor/kl_loss[1]"]["torch"] > 0
+    assert rows["actor/pg_clipfrac[1]"]["torch"] > 0  # the second mini-batch really is off-policy
+    assert rows["actor/param_update"]["torch"] > 0 and rows["critic/param_update"]["torch"] > 0
+    bad = {q: r["rel_diff"] for q, r in rows.items() if r.get("check", True) and r["rel_diff"] > 1e-4}
+    assert not bad, bad
+
+
+def test_ppo_step_rejects_a_batch_that_does_not_split(tiny_qwen, capsys):
+    assert main(["ppo-step", "--model", str(tiny_qwen), "--batch", "12"]) == 2
+    assert "--mini-batches" in capsys.readouterr().err

@@ -212,7 +212,7 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *,
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         arch = cfg.architecture if head == "lm" else cfg.architecture.replace("ForCausalLM", "ForTokenClassification")
-        hf_cfg = cfg.to_hf_dict(arch, num_labels=1 if head == "score" else None)
+        hf_cfg = cfg.to_hf_dict(arch, num_labels=None if head == "lm" else 1)  # "value" and "score": one label
         hf_cfg["torch_dtype"] = np.dtype(dtype).name
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         if out_dir.exists():
