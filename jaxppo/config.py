@@ -84,6 +84,9 @@ class ActorConfig:
     tis_threshold: Optional[float] = None  # truncated IS on rollout-vs-trainer mismatch; None: off
     logprob_chunk_size: int = 256  # response tokens per chunk of the [tokens, vocab] head
     log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
+    use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding (jaxppo/packing.py)
+    ppo_max_token_len_per_device: int = 16384  # packed: tokens per device per update micro-batch
+    log_prob_max_token_len_per_device: int = 16384  # packed: tokens per device per forward micro-batch
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
 
 
@@ -96,6 +99,9 @@ class CriticConfig:
     cliprange_value: float = 0.5  # value clipping around the old values
     loss_agg_mode: str = "token-mean"  # as actor.loss_agg_mode
     log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
+    use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding
+    ppo_max_token_len_per_device: int = 32768  # packed: tokens per device per update micro-batch
+    forward_max_token_len_per_device: int = 32768  # packed: tokens per device per forward micro-batch
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
 
@@ -304,6 +310,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     check(r.n >= 1, "rollout.n must be >= 1")
     check(cfg.model.remat in ("none", "full", "dots"), f"model.remat {cfg.model.remat!r} unknown; known: "
           "['dots', 'full', 'none']")
+    seq_len = d.max_prompt_length + d.max_response_length
+    for name, sub, keys in (("actor", a, ("ppo_max_token_len_per_device", "log_prob_max_token_len_per_device")),
+                            ("critic", c, ("ppo_max_token_len_per_device", "forward_max_token_len_per_device"))):
+        for key in keys if sub.use_dynamic_bsz else ():
+            check(getattr(sub, key) >= seq_len, f"{name}.{key} ({getattr(sub, key)}) is smaller than one sequence "
+                  f"(data.max_prompt_length + data.max_response_length = {seq_len})")
     t = cfg.trainer
     from jaxppo import health
 

@@ -95,8 +95,11 @@ def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_len
     materialised, forward or backward."""
     r = response_length
     hidden = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"])
-    h = _chunks(hidden[:, -r - 1:-1], chunk_size)
-    targets = _chunks(batch["input_ids"][:, -r:], chunk_size)
+    if "gather_idx" in batch:  # packed rows (jaxppo/packing.py): the states before each response-token slot
+        r = batch["gather_idx"].shape[-1]
+        h, targets = _chunks(_gather_packed(hidden, batch["gather_idx"]), chunk_size), _chunks(batch["targets"], chunk_size)
+    else:
+        h, targets = _chunks(hidden[:, -r - 1:-1], chunk_size), _chunks(batch["input_ids"][:, -r:], chunk_size)
 
     @jax.checkpoint
     def one(h_c, t_c):
@@ -113,9 +116,18 @@ def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_len
     return unchunk(lp), unchunk(ent)
 
 
+def _gather_packed(x: jax.Array, gather_idx: jax.Array) -> jax.Array:
+    """[rows, budget, ...] row states, [rows, slots] in-row positions -> [rows, slots, ...]: each row's
+    gather stays on the device that holds the row."""
+    idx = gather_idx.reshape(gather_idx.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
 def response_values(module: nn.Module, params: Any, batch: Batch, response_length: int) -> jax.Array:
     """Critic values at the states before each response token, [b, r] float32."""
     values = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"])
+    if "gather_idx" in batch:
+        return _gather_packed(values, batch["gather_idx"])
     return values[:, -response_length - 1:-1]
 
 
@@ -139,6 +151,7 @@ class _Base:
         # {metric: ("max"|"min", bound)}: a mini-batch breaking one is not applied (jaxppo/health.py);
         # NaN/inf in the loss or the gradient never is
         self.guards: dict[str, tuple[str, float]] = {}
+        self.compiled_shapes: set[tuple[int, int]] = set()  # packed (micro-batches, slots) shapes seen
         self.tx, self.schedule = make_optimizer(self.optim, self.total_steps)
         self.batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self._update_jit = None
@@ -167,11 +180,42 @@ class _Base:
         out = jax.lax.map(lambda mb: fn(params, mb), split_micro(batch, n, self.mesh))
         return jax.tree.map(merge_micro, out)
 
+    def _constrain_packed(self, packed: Batch) -> Batch:
+        """Packed arrays [n_micro, rows or slots, ...]: the second axis over the batch shards."""
+        def one(x):
+            spec = P(None, ("data", "fsdp"), *([None] * (x.ndim - 2)))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.tree.map(one, packed)
+
+    def _forward_packed(self, fn: Callable, params: Any, packed: Batch) -> Any:
+        """`fn(params, micro_batch)` over packed micro-batches; outputs [n_micro, slots, ...]."""
+        return jax.lax.map(lambda mb: fn(params, mb), self._constrain_packed(packed))
+
+    def compiles(self) -> int:
+        """Programs compiled so far by this engine's jitted forward and update (the `perf/compiles` metric)."""
+        return sum(f._cache_size() for f in (self._forward_jit, self._update_jit) if f is not None)
+
+    def shard_packed(self, packed) -> Batch:
+        """A `jaxppo.packing.Packed` batch -> device arrays, rows / slots spread over (data, fsdp)."""
+        self.compiled_shapes.add(packed.shape_key)
+        out = {}
+        for k, v in packed.arrays.items():
+            spec = P(None, ("data", "fsdp"), *([None] * (v.ndim - 2)))
+            out[k] = jax.device_put(v, NamedSharding(self.mesh, spec))
+        return out
+
     def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
         """Sum gradients of micro-batch losses (already normalised by mini-batch counts) in one scan,
-        then one clipped AdamW step. Metrics are summed over micro-batches (they are normalised alike)."""
-        n = self._n_micro(minibatch["input_ids"].shape[0], self.micro_batch_per_device)
+        then one clipped AdamW step. Metrics are summed over micro-batches (they are normalised alike).
+        A packed mini-batch (jaxppo/packing.py) arrives already split into micro-batches."""
+        if "gather_idx" in minibatch:
+            micro = self._constrain_packed(minibatch)
+        else:
+            n = self._n_micro(minibatch["input_ids"].shape[0], self.micro_batch_per_device)
+            micro = split_micro(minibatch, n, self.mesh)
         num_tokens, num_seqs = _norms(minibatch["response_mask"])
+        if "seq_count" in minibatch:  # packed rows are not sequences
+            num_seqs = jnp.sum(minibatch["seq_count"])
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def body(acc, mb):
@@ -179,7 +223,7 @@ class _Base:
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (losses, metrics) = jax.lax.scan(body, zeros, split_micro(minibatch, n, self.mesh))
+        grads, (losses, metrics) = jax.lax.scan(body, zeros, micro)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -252,17 +296,21 @@ class ActorEngine(_Base):
                                  with_entropy, self.temperature)
 
     def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
-        """Per-token log-probs (and entropies, zeros unless asked) of the response tokens, [b, r]."""
+        """Per-token log-probs (and entropies, zeros unless asked) of the response tokens, [b, r]; for a
+        packed batch (`shard_packed`), [n_micro, slots, r] (`Packed.unpack` restores the order)."""
         if self._forward_jit is None:
-            self._forward_jit = jax.jit(
-                lambda p, b, e: self._forward_map(lambda pp, mb: self._logprobs(pp, mb, e), p, b), static_argnums=2)
+            def fwd(p, b, e):
+                fn = lambda pp, mb: self._logprobs(pp, mb, e)  # noqa: E731
+                return self._forward_packed(fn, p, b) if "gather_idx" in b else self._forward_map(fn, p, b)
+            self._forward_jit = jax.jit(fwd, static_argnums=2)
         with self._ctx():
             return self._forward_jit(params, batch, with_entropy)
 
     def _loss(self, params, mb, num_tokens, num_seqs):
         c = self.cfg
         mask = mb["response_mask"]
-        norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.response_length)
+        norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.response_length,
+                    token_weight=mb.get("token_weight"))
         logprob, entropy = self._logprobs(params, mb)
         pg_loss, metrics = ppo.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask, c.clip_ratio_low,
                                            c.clip_ratio_high, c.clip_ratio_c, c.loss_agg_mode,
@@ -304,8 +352,10 @@ class CriticEngine(_Base):
 
     def values(self, params: Any, batch: Batch) -> jax.Array:
         if self._forward_jit is None:
-            self._forward_jit = jax.jit(lambda p, b: self._forward_map(
-                lambda pp, mb: response_values(self.module, pp, mb, self.response_length), p, b))
+            def fwd(p, b):
+                fn = lambda pp, mb: response_values(self.module, pp, mb, self.response_length)  # noqa: E731
+                return self._forward_packed(fn, p, b) if "gather_idx" in b else self._forward_map(fn, p, b)
+            self._forward_jit = jax.jit(fwd)
         with self._ctx():
             return self._forward_jit(params, batch)
 
@@ -314,7 +364,7 @@ class CriticEngine(_Base):
         mask = mb["response_mask"]
         loss, metrics = ppo.value_loss(vpreds, mb["values"], mb["returns"], mask, self.cfg.cliprange_value,
                                        self.cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                       horizon=self.response_length)
+                                       horizon=self.response_length, token_weight=mb.get("token_weight"))
         metrics = dict(metrics, vf_loss=loss,
                        vpred_mean=ppo.agg_loss(jax.lax.stop_gradient(vpreds), mask, "token-mean", num_tokens=num_tokens))
         return loss, metrics

@@ -25,6 +25,7 @@ from jaxppo.errors import ConfigError
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.health import HealthMonitor, update_guards
 from jaxppo.metrics import MetricsLogger, stats
+from jaxppo.packing import pack
 from jaxppo.models import load_model, save_hf_checkpoint
 from jaxppo.models.hf_io import export_hf_arrays
 from jaxppo.perf import measure_matmul_peak, train_flops_per_token
@@ -244,7 +245,13 @@ class PPOTrainer:
             order = rng.permutation(n) if sub.shuffle else np.arange(n)
             for start in range(0, n, mb):
                 rows = order[start:start + mb]
-                state, m = engine.update(state, engine.shard_batch({k: v[rows] for k, v in batch.items()}))
+                part = {k: v[rows] for k, v in batch.items()}
+                if sub.use_dynamic_bsz:
+                    packed = pack(part, self.R, sub.ppo_max_token_len_per_device, engine.batch_shards,
+                                  f"{'actor' if engine is self.actor else 'critic'}.ppo_max_token_len_per_device")
+                    state, m = engine.update(state, engine.shard_packed(packed))
+                else:
+                    state, m = engine.update(state, engine.shard_batch(part))
                 out.append(m)
         return state, jax.device_get(out)
 
@@ -293,17 +300,22 @@ class PPOTrainer:
         p_ids, p_mask = left_pad(prompts, self.tokenizer.pad_token_id, self.P)
         batch = train_sequences(p_ids, p_mask, ro)
         rmask = batch["response_mask"]
-        sharded = self.actor.shard_batch(batch)
+        a_in, a_out = self._forward_input(self.actor, cfg.actor.use_dynamic_bsz,
+                                          cfg.actor.log_prob_max_token_len_per_device, batch,
+                                          "actor.log_prob_max_token_len_per_device")
         with timer("old_log_prob"):
-            old_lp = np.asarray(self.actor.logprobs(self.actor_state.params, sharded)[0])
+            old_lp = a_out(self.actor.logprobs(self.actor_state.params, a_in)[0])
         ref_lp = None
         if self.use_ref:
             with timer("ref"):
-                ref_lp = np.asarray(self.actor.logprobs(self.ref_params, sharded)[0])
+                ref_lp = a_out(self.actor.logprobs(self.ref_params, a_in)[0])
         values = None
         if self.use_critic:
+            c_in, c_out = self._forward_input(self.critic, cfg.critic.use_dynamic_bsz,
+                                              cfg.critic.forward_max_token_len_per_device, batch,
+                                              "critic.forward_max_token_len_per_device")
             with timer("values"):
-                values = np.asarray(self.critic.values(self.critic_state.params, sharded))
+                values = c_out(self.critic.values(self.critic_state.params, c_in))
         self._interrupt_point()
         with timer("adv"):
             token_scores = np.asarray(ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask)))
@@ -327,6 +339,14 @@ class PPOTrainer:
         skip = any(f.action in ("skip_update", "stop") for f in found)
         self._interrupt_point()
         return pre, ro, p_mask, skip
+
+    def _forward_input(self, engine, dynamic: bool, budget: int, batch: dict[str, np.ndarray], what: str):
+        """(device batch, output -> host [b, r] array): padded, or packed into `budget`-token rows."""
+        if not dynamic:
+            return engine.shard_batch(batch), np.asarray
+        packed = pack({k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}, self.R,
+                      budget, engine.batch_shards, what)
+        return engine.shard_packed(packed), lambda x: packed.unpack(np.asarray(x), batch["input_ids"].shape[0])
 
     def _update_phases(self, timer: Timer, metrics: dict[str, float]) -> None:
         cfg = self.cfg
@@ -370,6 +390,7 @@ class PPOTrainer:
         tokens = float(p_mask[ro.prompt_index].sum() + ro.lengths.sum())
         n_dev = jax.device_count()
         m["perf/total_num_tokens"] = tokens
+        m["perf/compiles"] = float(self.actor.compiles() + (self.critic.compiles() if self.use_critic else 0))
         m["perf/throughput"] = tokens / times["timing_s/step"] / n_dev
         if "timing_s/update_actor" in times:
             flops = self.flops_per_token * tokens * self.cfg.actor.ppo_epochs

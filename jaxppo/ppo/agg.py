@@ -43,7 +43,7 @@ def masked_whiten(x: Array, mask: Array, shift_mean: bool = True, eps: float = 1
 
 def agg_loss(loss_mat: Float[Array, "b t"], mask: Float[Array, "b t"], mode: str = "token-mean", *,
              num_tokens: Array | float | None = None, num_seqs: Array | float | None = None,
-             horizon: float | None = None) -> Array:
+             horizon: float | None = None, token_weight: Array | None = None) -> Array:
     """Aggregate a per-token loss matrix to a scalar.
 
     modes (verl's):
@@ -53,6 +53,8 @@ def agg_loss(loss_mat: Float[Array, "b t"], mask: Float[Array, "b t"], mode: str
       seq-mean-token-sum-norm    sum(loss * mask) / (num_seqs * horizon)   (Dr.GRPO: a constant length)
     `num_tokens` / `num_seqs` default to this batch's valid tokens / non-empty sequences; pass the
     mini-batch's to make micro-batch losses add up. `horizon` defaults to the padded length t.
+    `token_weight` (packed layout, where a row holds several sequences' tokens): 1 / the length of each
+    token's sequence, for seq-mean-token-mean; the other modes only need the sums and the counts.
     """
     mask = mask.astype(loss_mat.dtype)
     seq_valid = (jnp.sum(mask, axis=-1) > 0).astype(loss_mat.dtype)
@@ -68,6 +70,8 @@ def agg_loss(loss_mat: Float[Array, "b t"], mask: Float[Array, "b t"], mode: str
     if mode == "seq-mean-token-sum":
         return jnp.sum(token_sum) / num_seqs
     if mode == "seq-mean-token-mean":
+        if token_weight is not None:
+            return jnp.sum(jnp.where(mask > 0, loss_mat * token_weight, 0.0)) / num_seqs
         return jnp.sum(token_sum / jnp.maximum(jnp.sum(mask, axis=-1), 1)) / num_seqs
     if mode == "seq-mean-token-sum-norm":
         return jnp.sum(token_sum) / (num_seqs * (loss_mat.shape[-1] if horizon is None else horizon))

@@ -22,7 +22,7 @@ def _token_mean(x, mask, num_tokens):
 def policy_loss(old_logprob: Float[Array, "b t"], logprob: Float[Array, "b t"], advantages: Float[Array, "b t"],
                 response_mask: Float[Array, "b t"], clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean", *, is_weights: Array | None = None,
-                num_tokens=None, num_seqs=None, horizon=None) -> tuple[Array, dict[str, Array]]:
+                num_tokens=None, num_seqs=None, horizon=None, token_weight=None) -> tuple[Array, dict[str, Array]]:
     """Clipped PPO surrogate with dual clip (Ye et al. 2020) for negative advantages.
 
     ratio = exp(clamp(logprob - old_logprob, -20, 20)); loss = max(-A r, -A clip(r, 1-low, 1+high)),
@@ -41,7 +41,8 @@ def policy_loss(old_logprob: Float[Array, "b t"], logprob: Float[Array, "b t"], 
     pg_losses = jnp.where(advantages < 0, clipped2, clipped1)
     if is_weights is not None:
         pg_losses = pg_losses * jax.lax.stop_gradient(is_weights)
-    loss = agg_loss(pg_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon,
+                    token_weight=token_weight)
     metrics = {
         "pg_clipfrac": _token_mean((losses2 > losses1).astype(jnp.float32), mask, num_tokens),
         "pg_clipfrac_lower": _token_mean(((clipped1 > losses3) & (advantages < 0)).astype(jnp.float32), mask, num_tokens),
@@ -52,13 +53,13 @@ def policy_loss(old_logprob: Float[Array, "b t"], logprob: Float[Array, "b t"], 
 
 def value_loss(values: Float[Array, "b t"], old_values: Float[Array, "b t"], returns: Float[Array, "b t"],
                response_mask: Float[Array, "b t"], cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
-               *, num_tokens=None, num_seqs=None, horizon=None) -> tuple[Array, dict[str, Array]]:
+               *, num_tokens=None, num_seqs=None, horizon=None, token_weight=None) -> tuple[Array, dict[str, Array]]:
     """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)) and vf_clipfrac."""
     clipped = jnp.clip(values, old_values - cliprange_value, old_values + cliprange_value)
     l1 = jnp.square(values - returns)
     l2 = jnp.square(clipped - returns)
     loss = 0.5 * agg_loss(jnp.maximum(l1, l2), response_mask, loss_agg_mode, num_tokens=num_tokens,
-                          num_seqs=num_seqs, horizon=horizon)
+                          num_seqs=num_seqs, horizon=horizon, token_weight=token_weight)
     metrics = {"vf_clipfrac": _token_mean((l2 > l1).astype(jnp.float32), response_mask, num_tokens)}
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 

@@ -1,0 +1,153 @@
+"""Token-budget batching: sequences packed into rows of a fixed token budget instead of padded.
+
+A padded batch (the engine's layout: prompt left-padded to p, response right-padded to r) becomes a
+`Packed` batch of micro-batches. Each micro-batch holds one row of `budget` tokens per batch shard; a
+row is several whole sequences back to back (segment ids 1, 2, ... and positions restarting at 0 for
+each; 0 = the unused tail), so attention is block-diagonal and nothing crosses a sequence boundary.
+A row's response tokens are laid out flat in `slots` (the vocabulary projection runs on response
+tokens only); `gather_idx` says where in the row the state before each one sits, and per-token arrays
+(old log-probs, advantages, ...) follow their tokens. Losses, advantages and metrics are computed per
+original sequence exactly as without packing (`token_weight` and `seq_count` carry what the
+per-sequence aggregation modes need).
+
+Shapes are bucketed so the number of compiled programs stays bounded: the number of micro-batches is
+rounded up to a power of two (empty rows compute nothing useful but cost a bounded waste), and so is
+the number of response-token slots per row. Sequences are assigned to rows by first-fit decreasing (the
+longest first, each into the first row with room), which keeps the rows near-full and the batch shards
+equally loaded (every shard gets one row per micro-batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+# per-token arrays of the padded layout that follow their sequence into its slot
+SEQ_KEYS = ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "is_weights", "values", "returns")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@dataclasses.dataclass
+class Packed:
+    """Host arrays with a leading micro-batch axis, one row per batch shard:
+      input_ids, attention_mask (segment ids), positions   [n_micro, shards, budget]
+      gather_idx       [n_micro, shards, slots]  in-row position of the state before each response token
+      targets, response_mask, token_weight and the SEQ_KEYS arrays   [n_micro, shards, slots]
+      seq_count        [n_micro, shards]          sequences with a response token in each row
+    Response tokens are laid flat (`slots` per row, the row's response tokens first, then padding), so
+    the vocabulary projection runs on response tokens only. `token_weight` is 1 / (the token's sequence's
+    response length), what `seq-mean-token-mean` needs when rows are not sequences."""
+
+    arrays: dict[str, np.ndarray]
+    slot_seq: np.ndarray  # [n_micro * shards, slots] padded-batch row of each slot (-1: empty)
+    slot_pos: np.ndarray  # [n_micro * shards, slots] its response position j
+    members: list[list[int]]  # padded-batch rows of each packed row, in row order
+    budget: int
+    response_length: int
+
+    @property
+    def shape_key(self) -> tuple[int, int]:
+        """(micro-batches, slots per row): what a compiled program depends on."""
+        return self.arrays["gather_idx"].shape[0], self.arrays["gather_idx"].shape[2]
+
+    def unpack(self, x: np.ndarray, batch_size: int) -> np.ndarray:
+        """[n_micro, shards, slots] per-slot outputs -> [batch_size, r] in the padded batch's layout."""
+        x = np.asarray(x).reshape(self.slot_seq.shape + np.shape(x)[3:])
+        out = np.zeros((batch_size, self.response_length) + x.shape[2:], x.dtype)
+        sel = self.slot_seq >= 0
+        out[self.slot_seq[sel], self.slot_pos[sel]] = x[sel]
+        return out
+
+    @property
+    def useful_tokens(self) -> int:
+        return int((self.arrays["attention_mask"] > 0).sum())
+
+
+def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[list[int]]:
+    """Bins (lists of indices) of total length <= budget; the longest sequences are placed first."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: -int(lengths[k])):
+        n = int(lengths[i])
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)
+    return bins
+
+
+def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards: int,
+         what: str = "actor.ppo_max_token_len_per_device") -> Packed:
+    """Pack a padded host batch (see jaxppo/engine.py for the layout) into rows of `budget` tokens."""
+    ids, seg = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
+    r = response_length
+    b, t = ids.shape
+    p = t - r
+    valid = seg > 0
+    lengths = valid.sum(1)
+    too_long = np.nonzero(lengths > budget)[0]
+    if too_long.size:
+        i = int(too_long[0])
+        raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than {what} = {budget}")
+    bins = first_fit_decreasing(lengths, budget)
+    n_micro = _pow2(math.ceil(len(bins) / shards))
+    bins += [[] for _ in range(n_micro * shards - len(bins))]
+    rmask = np.asarray(batch["response_mask"]) > 0
+    rlen = rmask.sum(1)
+    slots = _pow2(max(1, max(int(rlen[m].sum()) for m in bins)))
+    rows = n_micro * shards
+
+    out_ids, out_seg, out_pos = (np.zeros((rows, budget), np.int32) for _ in range(3))
+    gather, targets = np.zeros((rows, slots), np.int32), np.zeros((rows, slots), np.int32)
+    slot_mask, weight = np.zeros((rows, slots), np.float32), np.zeros((rows, slots), np.float32)
+    slot_seq, slot_pos = np.full((rows, slots), -1, np.int64), np.zeros((rows, slots), np.int64)
+    seq_count = np.zeros(rows, np.float32)
+    per_tok = {k: np.zeros((rows, slots), np.asarray(batch[k]).dtype) for k in SEQ_KEYS
+               if k in batch and k != "response_mask"}
+    # token k of a sequence's valid run is its k-th valid column (prompts left-padded, responses
+    # right-padded); the state before response token j is valid token n_prompt - 1 + j
+    for row, members in enumerate(bins):
+        off, slot = 0, 0
+        for s, i in enumerate(members):
+            cols = np.nonzero(valid[i])[0]
+            n = cols.size
+            out_ids[row, off:off + n] = ids[i, cols]
+            out_seg[row, off:off + n] = s + 1
+            out_pos[row, off:off + n] = np.arange(n)
+            n_prompt = int((cols < p).sum())
+            js = np.nonzero(rmask[i])[0]
+            k = slice(slot, slot + js.size)
+            gather[row, k] = off + n_prompt - 1 + js
+            targets[row, k] = ids[i, p + js]
+            slot_mask[row, k], weight[row, k] = 1.0, 1.0 / max(js.size, 1)
+            slot_seq[row, k], slot_pos[row, k] = i, js
+            for key in per_tok:
+                per_tok[key][row, k] = batch[key][i, js]
+            seq_count[row] += js.size > 0
+            off, slot = off + n, slot + js.size
+    shaped = lambda x: x.reshape((n_micro, shards) + x.shape[1:])  # noqa: E731
+    arrays = {"input_ids": shaped(out_ids), "attention_mask": shaped(out_seg), "positions": shaped(out_pos),
+              "gather_idx": shaped(gather), "targets": shaped(targets), "response_mask": shaped(slot_mask),
+              "token_weight": shaped(weight), "seq_count": shaped(seq_count)}
+    arrays.update({k: shaped(v) for k, v in per_tok.items()})
+    return Packed(arrays, slot_seq, slot_pos, bins, budget, r)
+
+
+def max_programs(batch_size: int, budget: int, shards: int) -> int:
+    """Bound on the distinct (micro-batches, slots) shapes `pack` can produce for batches of
+    `batch_size` sequences: powers of two up to the worst case of each."""
+    micro = _pow2(math.ceil(batch_size / shards))
+    slots = _pow2(budget)
+    return micro.bit_length() * slots.bit_length()
+
+
+__all__ = ["Packed", "pack", "first_fit_decreasing", "max_programs", "SEQ_KEYS"]
