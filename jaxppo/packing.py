@@ -11,8 +11,8 @@ original sequence exactly as without packing (`token_weight` and `seq_count` car
 per-sequence aggregation modes need).
 
 Shapes are bucketed so the number of compiled programs stays bounded: the number of micro-batches is
-rounded up to a power of two (empty rows compute nothing useful but cost a bounded waste), and so is
-the number of response-token slots per row. Sequences are assigned to rows by first-fit decreasing (the
+rounded up to the next of 1, 2, 3, 4, 6, 8, 12, ... (empty rows compute nothing useful: at most a third
+is wasted), and so is the number of response-token slots per row. Sequences are assigned to rows by first-fit decreasing (the
 longest first, each into the first row with room), which keeps the rows near-full and the batch shards
 equally loaded (every shard gets one row per micro-batch).
 """
@@ -30,6 +30,22 @@ SEQ_KEYS = ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "is_w
 
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 * 2^(k-1)) that is >= n: at most a
+    third wasted, two compiled shapes per doubling."""
+    p = _pow2(n)
+    return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
+
+
+def buckets_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while True:
+        out.append(bucket(k))
+        if out[-1] >= n:
+            return sorted(set(out))
+        k = out[-1] + 1
 
 
 @dataclasses.dataclass
@@ -99,11 +115,11 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
         i = int(too_long[0])
         raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than {what} = {budget}")
     bins = first_fit_decreasing(lengths, budget)
-    n_micro = _pow2(math.ceil(len(bins) / shards))
+    n_micro = bucket(math.ceil(len(bins) / shards))
     bins += [[] for _ in range(n_micro * shards - len(bins))]
     rmask = np.asarray(batch["response_mask"]) > 0
     rlen = rmask.sum(1)
-    slots = _pow2(max(1, max(int(rlen[m].sum()) for m in bins)))
+    slots = bucket(max(1, max(int(rlen[m].sum()) for m in bins)))
     rows = n_micro * shards
 
     out_ids, out_seg, out_pos = (np.zeros((rows, budget), np.int32) for _ in range(3))
@@ -145,9 +161,7 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
 def max_programs(batch_size: int, budget: int, shards: int) -> int:
     """Bound on the distinct (micro-batches, slots) shapes `pack` can produce for batches of
     `batch_size` sequences: powers of two up to the worst case of each."""
-    micro = _pow2(math.ceil(batch_size / shards))
-    slots = _pow2(budget)
-    return micro.bit_length() * slots.bit_length()
+    return len(buckets_upto(math.ceil(batch_size / shards))) * len(buckets_upto(budget))
 
 
 __all__ = ["Packed", "pack", "first_fit_decreasing", "max_programs", "SEQ_KEYS"]
