@@ -98,7 +98,8 @@ class PPOTrainer:
         self.engine.sleep()
 
         kw = dict(mesh=self.mesh, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
-                  remat=cfg.model.remat, attention_impl=attention_impl(cfg), random_init=cfg.model.random_init)
+                  remat=cfg.model.remat, attention_impl=attention_impl(cfg), random_init=cfg.model.random_init,
+                  attention_window=self.P + self.R)
         self.actor_module, actor_params, self.model_cfg = load_model(self.model_dir, **kw)
         a, c = cfg.actor, cfg.critic
         n_seq = cfg.data.train_batch_size * self.n

@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     rows = []
     for name in args.model.split(","):
         cfg = SHAPES[name]
-        module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat, attention_impl=impl)
+        module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat, attention_impl=impl,
+                             attention_window=P_MAX + R_MAX)
         params = init_params(module, jax.random.PRNGKey(0), param_shardings(abstract_params(module), mesh))
         batch = gsm8k_like_batch(cfg.vocab_size, args.seqs, args.dist)
         useful = int(batch["attention_mask"].sum())

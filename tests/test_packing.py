@@ -49,8 +49,10 @@ def engines(ckpt, mesh, mode="token-mean"):
                        loss_agg_mode=mode, use_kl_loss=True, entropy_coeff=0.01, optim=OPTIM)
     ccfg = CriticConfig(ppo_micro_batch_size_per_device=2, log_prob_micro_batch_size_per_device=2, loss_agg_mode=mode,
                         optim=OPTIM)
-    module, params, cfg = load_model(ckpt, mesh=mesh, dtype=jnp.float32)
-    cmodule, cparams, _ = load_model(ckpt, "value", mesh=mesh, dtype=jnp.float32, rng=jax.random.PRNGKey(1))
+    # the window (longest sequence) is what the trainer sets: packed rows are longer, so it is active there
+    module, params, cfg = load_model(ckpt, mesh=mesh, dtype=jnp.float32, attention_window=P + R)
+    cmodule, cparams, _ = load_model(ckpt, "value", mesh=mesh, dtype=jnp.float32, rng=jax.random.PRNGKey(1),
+                                     attention_window=P + R)
     return (ActorEngine(module, mesh, acfg, R), params), (CriticEngine(cmodule, mesh, ccfg, R), cparams), cfg
 
 

@@ -25,11 +25,15 @@ SCORE_PATHS = (("score", "weight"), ("score", "bias"))
 
 
 def build_model(cfg: ModelConfig, head: str = "lm", *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                remat: str = "none", attention_impl: str | None = None, score_bias: bool = True) -> nn.Module:
-    """The Flax module for `cfg`: `CausalLM` for head "lm", `ValueModel` for head "value"."""
+                remat: str = "none", attention_impl: str | None = None, score_bias: bool = True,
+                attention_window: int | None = None) -> nn.Module:
+    """The Flax module for `cfg`: `CausalLM` for head "lm", `ValueModel` for head "value".
+    `attention_window`: the longest sequence the model will see; rows longer than that (packed) attend
+    only that far back, which lets cuDNN skip blocks."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat {remat!r} unknown; known: {sorted(REMAT_POLICIES)}")
-    kw = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention_impl=attention_impl)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention_impl=attention_impl,
+              attention_window=attention_window)
     if head == "lm":
         return CausalLM(cfg, **kw)
     if head == "value":

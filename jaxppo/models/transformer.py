@@ -120,6 +120,7 @@ class Attention(nn.Module):
     dtype: Any
     param_dtype: Any
     attention_impl: str | None
+    window: int | None = None  # longest sequence: no token attends further back (packed rows are longer)
 
     @nn.compact
     def __call__(self, x, mask, cos, sin):
@@ -133,7 +134,11 @@ class Attention(nn.Module):
         k = apply_rope(k.reshape(b, t, c.num_key_value_heads, c.head_dim), cos, sin)
         v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
         q = nn.with_logical_constraint(q, ("batch", "seq", "act_heads", None))
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=self.attention_impl)
+        # is_causal + a left window let cuDNN skip whole blocks (above the diagonal; further back than
+        # the longest sequence in a packed row); `mask` keeps segments and padding apart within them
+        window = (self.window - 1, 0) if self.window is not None and self.window < t else None
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window,
+                                           implementation=self.attention_impl)
         out = out.reshape(b, t, c.num_attention_heads * c.head_dim)
         # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v bias does not.
         o_bias = c.attention_bias and c.family == "llama"
@@ -160,13 +165,15 @@ class DecoderLayer(nn.Module):
     dtype: Any
     param_dtype: Any
     attention_impl: str | None
+    window: int | None = None
 
     @nn.compact
     def __call__(self, x, mask, cos, sin):
         c = self.cfg
         norm = dict(eps=c.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         h = RMSNorm(name="input_layernorm", **norm)(x)
-        x = x + Attention(c, self.dtype, self.param_dtype, self.attention_impl, name="self_attn")(h, mask, cos, sin)
+        x = x + Attention(c, self.dtype, self.param_dtype, self.attention_impl, self.window, name="self_attn")(
+            h, mask, cos, sin)
         h = RMSNorm(name="post_attention_layernorm", **norm)(x)
         x = x + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
         return nn.with_logical_constraint(x, ("batch", "seq", "act_embed")), None
@@ -180,6 +187,7 @@ class Decoder(nn.Module):
     param_dtype: Any = jnp.float32
     remat: str = "none"
     attention_impl: str | None = None
+    attention_window: int | None = None
 
     def setup(self):
         c = self.cfg
@@ -191,7 +199,7 @@ class Decoder(nn.Module):
             block, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.dtype, self.param_dtype, self.attention_impl)
+        )(c, self.dtype, self.param_dtype, self.attention_impl, self.attention_window)
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
 
     def __call__(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
@@ -212,9 +220,11 @@ class CausalLM(nn.Module):
     param_dtype: Any = jnp.float32
     remat: str = "none"
     attention_impl: str | None = None
+    attention_window: int | None = None
 
     def setup(self):
-        self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl)
+        self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
+                             self.attention_window)
         if not self.cfg.tie_word_embeddings:
             self.lm_head = Linear(self.cfg.vocab_size, ("vocab", "embed"), dtype=self.dtype,
                                   param_dtype=self.param_dtype)
@@ -240,9 +250,11 @@ class ValueModel(nn.Module):
     remat: str = "none"
     attention_impl: str | None = None
     score_bias: bool = True
+    attention_window: int | None = None
 
     def setup(self):
-        self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl)
+        self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
+                             self.attention_window)
         self.score = Linear(1, ("score", "embed"), self.score_bias, dtype=self.dtype, param_dtype=self.param_dtype)
 
     def __call__(self, input_ids, positions, segment_ids) -> Float[Array, "b t"]:
