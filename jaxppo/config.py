@@ -271,6 +271,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def validate_processes(cfg: Config, processes: int) -> None:
+    """What several processes need: every batch splits evenly over them."""
+    d = cfg.data
+    if d.train_batch_size % processes:
+        raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) does not split over {processes} processes")
+    for name, sub in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if (sub.ppo_mini_batch_size * cfg.rollout.n) % processes:
+            raise ConfigError(f"{name}.ppo_mini_batch_size x rollout.n does not split over {processes} processes")
+        if sub.use_dynamic_bsz:
+            raise ConfigError(f"{name}.use_dynamic_bsz is not supported with several processes yet")
+
+
 def to_yaml(cfg: Config) -> str:
     from omegaconf import OmegaConf
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxppo.config import Config
 from jaxppo.data import PromptSpec, load_prompt_dataset, load_tokenizer
 from jaxppo.data import synthetic
+from jaxppo.distributed import barrier, is_main
 from jaxppo.models import ModelConfig, build_model, init_params, save_hf_checkpoint
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -25,15 +26,16 @@ def prepare_data(cfg: Config, run_dir: Path):
     if not train_files:
         task = synthetic.ArithmeticTask(d.synthetic_num_operands, d.synthetic_max_digits, d.synthetic_operators)
         data_dir = run_dir / "data"
-        if not (data_dir / "train.parquet").is_file():
+        if is_main() and not (data_dir / "train.parquet").is_file():
             synthetic.write_dataset(data_dir, task, train_size=d.synthetic_train_size, val_size=d.synthetic_val_size,
                                     seed=d.seed)
         train_files = [str(data_dir / "train.parquet")]
         val_files = val_files or [str(data_dir / "test.parquet")]
         if tok_dir is None:
             tok_dir = run_dir / "tokenizer"
-            if not (Path(tok_dir) / "tokenizer.json").is_file():
+            if is_main() and not (Path(tok_dir) / "tokenizer.json").is_file():
                 synthetic.build_tokenizer(tok_dir, task, seed=d.seed)
+        barrier("jaxppo-synthetic-data")  # process 0 wrote them; the others read them
     tokenizer = load_tokenizer(tok_dir)
     spec = PromptSpec(d.prompt_key, d.prompt_format, d.max_prompt_length, d.truncation)
     train = load_prompt_dataset(train_files, tokenizer, spec)
@@ -57,11 +59,12 @@ def prepare_model_dir(cfg: Config, run_dir: Path, tokenizer) -> Path:
     if cfg.model.path is not None:
         return Path(cfg.model.path)
     out = run_dir / "init_model"
-    if not (out / "config.json").is_file():
+    if is_main() and not (out / "config.json").is_file():
         mcfg = tiny_model_config(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
         module = build_model(mcfg)
         params = init_params(module, jax.random.PRNGKey(cfg.trainer.seed))
         save_hf_checkpoint(params, mcfg, out)
+    barrier("jaxppo-init-model")
     return out
 
 

@@ -57,9 +57,16 @@ def main(argv: list[str] | None = None) -> int:
             from jaxppo import memory
 
             memory.apply(cfg.rollout.gpu_memory_utilization)
+        from jaxppo.distributed import initialize_from_env
+
+        initialize_from_env()  # several processes (jaxppo.launch, torchrun, SLURM): one global mesh
         import jax
 
         validate(cfg, jax.device_count())
+        if jax.process_count() > 1:
+            from jaxppo.config import validate_processes
+
+            validate_processes(cfg, jax.process_count())
     except JaxppoError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxppo import distributed as dist
 from jaxppo import ppo
 from jaxppo.checkpoint import RunCheckpointer, restore_from
 from jaxppo.config import Config, to_yaml
@@ -83,7 +84,9 @@ class PPOTrainer:
         t = cfg.trainer
         self.run_dir = Path(t.default_local_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.main = jax.process_index() == 0  # writes the config, metrics and logs; every process checkpoints
+        if self.main:
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.mesh = make_mesh(dataclasses.asdict(cfg.mesh))
         self.tokenizer, self.tokenizer_dir, self.train_ds, self.val_ds = prepare_data(cfg, self.run_dir)
         self.model_dir = prepare_model_dir(cfg, self.run_dir, self.tokenizer)
@@ -218,12 +221,15 @@ class PPOTrainer:
         return res.scores, res.num_errors + res.num_timeouts
 
     def _advantages(self, token_scores, old_lp, ref_lp, values, rmask, group_ids):
+        """Host arrays of this process's rows in, its rows out; batch statistics (whitening, group
+        baselines, the KL controller's current KL) are over all processes' rows."""
         alg = self.cfg.algorithm
         metrics = {}
         rewards = token_scores
         if alg.use_kl_in_reward:
             rewards, current_kl = ppo.apply_kl_penalty(token_scores, old_lp, ref_lp, rmask, self.kl_coef,
                                                        alg.kl_penalty)
+            current_kl = float(np.mean(dist.gather_rows(np.array([float(current_kl)]))))  # equal shares
             metrics["actor/reward_kl_penalty"] = float(current_kl)
             if np.isfinite(float(current_kl)):  # a NaN batch must not poison the controller
                 self.kl_coef = float(ppo.update_kl_coef(ppo.KLControlConfig(**dataclasses.asdict(alg.kl_ctrl)),
@@ -232,20 +238,22 @@ class PPOTrainer:
             self._adv_fn = jax.jit(lambda r, m, v, g: ppo.compute_advantages(
                 alg.adv_estimator, r, m, values=v, group_ids=g, gamma=alg.gamma, lam=alg.lam,
                 norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo))
-        adv, ret = self._adv_fn(jnp.asarray(rewards), jnp.asarray(rmask),
-                                None if values is None else jnp.asarray(values), jnp.asarray(group_ids))
-        return np.asarray(rewards), np.asarray(adv), np.asarray(ret), metrics
+        g = self.actor.shard_batch({"r": np.asarray(rewards, np.float32), "m": np.asarray(rmask, np.float32),
+                                    "g": np.asarray(group_ids, np.int32),
+                                    **({} if values is None else {"v": np.asarray(values, np.float32)})})
+        adv, ret = self._adv_fn(g["r"], g["m"], g.get("v"), g["g"])
+        return np.asarray(rewards), dist.local_rows(adv), dist.local_rows(ret), metrics
 
     def _update(self, engine, state, batch: dict[str, np.ndarray], sub, seed: int):
         """ppo_epochs x mini-batches of `batch` (host arrays); returns the new state and mean metrics."""
-        n = batch["input_ids"].shape[0]
-        mb = sub.ppo_mini_batch_size * self.n
+        n = batch["input_ids"].shape[0]  # this process's rows
+        k = self.cfg.data.train_batch_size // sub.ppo_mini_batch_size  # mini-batches per epoch
         rng = np.random.default_rng(seed)
         out = []
         for _ in range(sub.ppo_epochs):
             order = rng.permutation(n) if sub.shuffle else np.arange(n)
-            for start in range(0, n, mb):
-                rows = order[start:start + mb]
+            for i in range(k):  # strided: a mini-batch is the same rows whatever the number of processes
+                rows = order[i::k]
                 part = {k: v[rows] for k, v in batch.items()}
                 if sub.use_dynamic_bsz:
                     packed = pack(part, self.R, sub.ppo_max_token_len_per_device, engine.batch_shards,
@@ -258,8 +266,13 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one step
 
+    def _stop_requested(self) -> bool:
+        """A stop signal seen by any process (a collective when there are several: all agree)."""
+        return dist.any_process(self._signal is not None)
+
     def _interrupt_point(self) -> None:
-        if self._signal is not None:
+        if self._stop_requested():
+            self._signal = self._signal or "SIGTERM (another process)"
             raise _Abandoned()
 
     def train_step(self) -> dict[str, float]:
@@ -280,7 +293,7 @@ class PPOTrainer:
         self.step += 1
         metrics.update(timer.times)
         metrics.update(pre)
-        metrics.update(self._perf_metrics(ro, p_mask, timer.times))
+        metrics.update(self._perf_metrics(timer.times))
         metrics["health/skipped_steps"] = float(skip)
         return metrics
 
@@ -289,7 +302,9 @@ class PPOTrainer:
         the updates; leaves the update batches on `self`. Returns (rollout metrics, rollouts, prompt mask,
         skip the updates)."""
         cfg = self.cfg
-        rows = self.sampler.next_batch()
+        rows = self.sampler.next_batch()  # the global batch; this process generates for its share
+        mine = dist.share(len(rows), "prompts of data.train_batch_size")
+        rows = rows[mine]
         prompts = [self.train_ds.input_ids[i] for i in rows]
         sampling = Sampling(n=self.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             top_k=cfg.rollout.top_k, max_tokens=self.R, seed=cfg.trainer.seed * 1_000_003 + self.step)
@@ -321,7 +336,7 @@ class PPOTrainer:
         with timer("adv"):
             token_scores = np.asarray(ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask)))
             rewards, adv, ret, kl_metrics = self._advantages(token_scores, old_lp, ref_lp, values, rmask,
-                                                             ro.prompt_index)
+                                                             ro.prompt_index + mine.start)
         metrics.update(kl_metrics)
         batch.update(old_logprobs=old_lp, advantages=adv)
         if ref_lp is not None:
@@ -334,8 +349,15 @@ class PPOTrainer:
             cbatch.update(values=values, returns=ret)
             self._critic_batch = cbatch
         self._actor_batch = batch
-        pre = self._rollout_metrics(ro, scores, rewards, adv, ret, values, old_lp, rmask, p_mask)
-        pre["reward/errors"] = float(reward_errors)
+        local = {"scores": scores, "rewards": rewards.sum(-1), "adv": adv, "ret": ret, "old_lp": old_lp,
+                 "rollout_lp": ro.logprobs, "rmask": rmask, "lengths": ro.lengths.astype(np.float64),
+                 "prompt_lengths": p_mask.sum(-1)[ro.prompt_index].astype(np.float64),
+                 "reward_errors": np.array([float(reward_errors)])}
+        if values is not None:
+            local["values"] = values
+        self._gathered = g = {k: dist.gather_rows(v) for k, v in local.items()}  # metrics are global
+        pre = self._rollout_metrics(g)
+        pre["reward/errors"] = float(g["reward_errors"].sum())
         found = self.health.decide(pre, "pre")
         skip = any(f.action in ("skip_update", "stop") for f in found)
         self._interrupt_point()
@@ -344,7 +366,9 @@ class PPOTrainer:
     def _forward_input(self, engine, dynamic: bool, budget: int, batch: dict[str, np.ndarray], what: str):
         """(device batch, output -> host [b, r] array): padded, or packed into `budget`-token rows."""
         if not dynamic:
-            return engine.shard_batch(batch), np.asarray
+            return engine.shard_batch(batch), dist.local_rows
+        if jax.process_count() > 1:
+            raise NotImplementedError("use_dynamic_bsz with several processes is not supported yet")
         packed = pack({k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}, self.R,
                       budget, engine.batch_shards, what)
         return engine.shard_packed(packed), lambda x: packed.unpack(np.asarray(x), batch["input_ids"].shape[0])
@@ -367,28 +391,31 @@ class PPOTrainer:
         """Test hook: scores as the reward phase returned them (subclasses inject faults here)."""
         return scores
 
-    def _rollout_metrics(self, ro, scores, rewards, adv, ret, values, old_lp, rmask, p_mask) -> dict[str, float]:
+    def _rollout_metrics(self, g: dict[str, np.ndarray]) -> dict[str, float]:
+        """The step's rollout / advantage metrics from every process's rows (`g`)."""
+        rmask = g["rmask"]
         m: dict[str, float] = {"actor/kl_coef": self.kl_coef, "training/global_step": float(self.step + 1),
                                "training/epoch": float(self.sampler.state()["epoch"])}
-        m.update(stats("critic/score", scores))
-        m.update(stats("critic/rewards", rewards.sum(-1)))
-        m.update(stats("critic/advantages", adv, rmask))
-        m.update(stats("critic/returns", ret, rmask))
-        if values is not None:
+        m.update(stats("critic/score", g["scores"]))
+        m.update(stats("critic/rewards", g["rewards"]))
+        m.update(stats("critic/advantages", g["adv"], rmask))
+        m.update(stats("critic/returns", g["ret"], rmask))
+        if "values" in g:
+            values, ret = g["values"], g["ret"]
             m.update(stats("critic/values", values, rmask))
             v = rmask > 0
             var_ret = np.var(ret[v])
             m["critic/vf_explained_var"] = float(1.0 - np.var(ret[v] - values[v]) / (var_ret + 1e-8))
-        lengths = ro.lengths.astype(np.float64)
-        m.update(stats("response_length", lengths))
-        m["response_length/clip_ratio"] = float(np.mean(lengths >= self.R))
-        m.update(stats("prompt_length", p_mask.sum(-1)))
-        m.update({k: float(v) for k, v in ppo.rollout_mismatch_metrics(old_lp, ro.logprobs, rmask).items()})
+        m.update(stats("response_length", g["lengths"]))
+        m["response_length/clip_ratio"] = float(np.mean(g["lengths"] >= self.R))
+        m.update(stats("prompt_length", g["prompt_lengths"]))
+        m.update({k: float(v) for k, v in ppo.rollout_mismatch_metrics(g["old_lp"], g["rollout_lp"], rmask).items()})
         return m
 
-    def _perf_metrics(self, ro, p_mask, times) -> dict[str, float]:
+    def _perf_metrics(self, times) -> dict[str, float]:
+        g = self._gathered
         m: dict[str, float] = {}
-        tokens = float(p_mask[ro.prompt_index].sum() + ro.lengths.sum())
+        tokens = float(g["prompt_lengths"].sum() + g["lengths"].sum())
         n_dev = jax.device_count()
         m["perf/total_num_tokens"] = tokens
         m["perf/compiles"] = float(self.actor.compiles() + (self.critic.compiles() if self.use_critic else 0))
@@ -401,19 +428,28 @@ class PPOTrainer:
     # ------------------------------------------------------------------ validation and the loop
 
     def validate(self) -> dict[str, float]:
+        """Score the validation set (each process its share; weights pushed once), `val/<source>/score`."""
         if self.val_ds is None:
             return {}
         ds, bs = self.val_ds, self.cfg.data.val_batch_size
         temp = self.cfg.rollout.val_temperature
-        scores, sources = [], []
-        for start in range(0, len(ds), bs):
-            rows = np.arange(start, min(start + bs, len(ds)))
-            ro = self.generate([ds.input_ids[i] for i in rows],
-                               Sampling(n=1, temperature=temp, max_tokens=self.R, seed=self.cfg.trainer.seed))
-            res = score_batch([ds.data_source[i] for i in rows], self.decode(ro), [ds.ground_truth[i] for i in rows],
-                              [ds.extra_info[i] for i in rows])
-            scores.extend(res.scores.tolist())
-            sources.extend(ds.data_source[i] for i in rows)
+        mine = np.array_split(np.arange(len(ds)), jax.process_count())[jax.process_index()]
+        scores, index = [], []
+        self.engine.wake()
+        try:
+            self.sync_weights()
+            for start in range(0, len(mine), bs):
+                rows = mine[start:start + bs]
+                ro = self.engine.generate([ds.input_ids[i].tolist() for i in rows],
+                                          Sampling(n=1, temperature=temp, max_tokens=self.R, seed=self.cfg.trainer.seed))
+                res = score_batch([ds.data_source[i] for i in rows], self.decode(ro),
+                                  [ds.ground_truth[i] for i in rows], [ds.extra_info[i] for i in rows])
+                scores.extend(res.scores.tolist())
+                index.extend(rows.tolist())
+        finally:
+            self.engine.sleep()
+        scores = dist.gather_ragged(np.asarray(scores, np.float64), np.nan)
+        sources = [ds.data_source[i] for i in dist.gather_ragged(np.asarray(index, np.int64), -1)]
         out = {}
         for src in sorted(set(sources)):
             out[f"val/{src}/score"] = float(np.mean([s for s, d in zip(scores, sources) if d == src]))
@@ -496,8 +532,8 @@ class PPOTrainer:
         """Steps until done, early stop, a health stop, too many bad steps or a stop signal; sets
         `stop_reason` and `exit_code` (0; 3 when the run's health ended it)."""
         t = self.cfg.trainer
-        logger = MetricsLogger(self.run_dir, list(t.logger), total_steps=self.total_steps, start_step=self.step,
-                               project=t.project_name, name=t.experiment_name)
+        logger = MetricsLogger(self.run_dir, list(t.logger) if self.main else [], total_steps=self.total_steps,
+                               start_step=self.step, project=t.project_name, name=t.experiment_name)
         last: dict[str, float] = {}
         try:
             with self._stop_signals():
@@ -505,7 +541,7 @@ class PPOTrainer:
                     last = self.validate()
                     self._early_stop(last)
                     logger.log(0, last)
-                while self.step < self.total_steps and self._signal is None:
+                while self.step < self.total_steps and not self._stop_requested():
                     try:
                         with self._maybe_profile(self.step + 1):
                             metrics = self.train_step()
@@ -518,7 +554,7 @@ class PPOTrainer:
                     metrics["health/bad_steps"] = float(self.bad_steps)
                     done = self.step >= self.total_steps
                     stop = [f for f in found if f.action == "stop"]
-                    if t.test_freq > 0 and (self.step % t.test_freq == 0 or done) and self._signal is None:
+                    if t.test_freq > 0 and (self.step % t.test_freq == 0 or done) and not self._stop_requested():
                         val = self.validate()
                         metrics.update(val)
                         if self._early_stop(val):
@@ -539,7 +575,8 @@ class PPOTrainer:
                         self.save_checkpoint()
                     if self.stop_reason:
                         break
-                if self._signal is not None:
+                if self._stop_requested():
+                    self._signal = self._signal or "SIGTERM (another process)"
                     self.save_checkpoint()
                     self.stop_reason = (f"{self._signal}: stopped at step {self.step}, checkpoint written to "
                                         f"{self.checkpointer.directory}/{self.step}; run the same command again to "

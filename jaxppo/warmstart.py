@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxppo.config import OptimConfig
 from jaxppo.data import ResumableSampler, left_pad
+from jaxppo.distributed import share
 from jaxppo.engine import ActorEngine
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ def sft_warm_start(trainer, params: Any) -> Any:
         * acfg.ppo_micro_batch_size_per_device * engine.batch_shards
     sampler = ResumableSampler(len(trainer.train_ds), bs, seed=c.data.seed + 1)
     for step in range(t.sft_warmup_steps):
-        state, m = engine.sft_update(state, engine.shard_batch(sft_batches(trainer, sampler.next_batch())))
+        rows = sampler.next_batch()
+        rows = rows[share(len(rows), "warm-start sequences")]  # this process's share of the global batch
+        state, m = engine.sft_update(state, engine.shard_batch(sft_batches(trainer, rows)))
         if step % 20 == 0 or step == t.sft_warmup_steps - 1:
             log.info("sft warm start step %d/%d: nll %.4f", step + 1, t.sft_warmup_steps, float(m["nll"]))
     return state.params

@@ -58,12 +58,14 @@ class HFEngine:
 
         ids, mask = left_pad([np.asarray(p, np.int64) for p in prompt_token_ids], self.pad_token_id)
         greedy = sampling.temperature == 0
+        repeat = sampling.n if greedy else 1  # transformers' greedy search returns one sequence per prompt
+        ids, mask = np.repeat(ids, repeat, axis=0), np.repeat(mask, repeat, axis=0)
         stop = list(self.eos_token_ids) + list(sampling.stop_token_ids)
         gen = GenerationConfig(
             do_sample=not greedy, temperature=None if greedy else sampling.temperature,
             top_p=None if greedy or sampling.top_p >= 1 else sampling.top_p,
             top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
-            max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
+            max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n // repeat,
             eos_token_id=stop or None, pad_token_id=self.pad_token_id,
             output_logits=True, return_dict_in_generate=True)
         if sampling.seed is not None:

@@ -190,6 +190,8 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *,
     never leaves a half-written checkpoint under `out_dir`.
     """
     out_dir = Path(out_dir)
+    if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
+        return _save_multiprocess(params, cfg, out_dir, head=head, dtype=dtype, max_shard_bytes=max_shard_bytes)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
     try:
@@ -221,4 +223,15 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *,
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _save_multiprocess(params: Params, cfg: ModelConfig, out_dir: Path, **kw) -> Path:
+    """Every process gathers the global arrays (a collective); process 0 writes; all wait for it."""
+    from jax.experimental import multihost_utils
+
+    host = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), params)
+    if jax.process_index() == 0:
+        save_hf_checkpoint(host, cfg, out_dir, **kw)
+    multihost_utils.sync_global_devices(f"jaxppo-save-{out_dir}")
     return out_dir

@@ -1,0 +1,91 @@
+"""Several processes joined by jax.distributed (gloo on localhost): `python -m jaxppo.launch` runs the same
+PPO steps as one process with the same global batch, and a dead process ends the run, not a hang."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxppo.distributed import topology_from_env
+from tests.train_helpers import FAST, ROOT, read_metrics
+
+# greedy rollouts (the transformers engine samples with one torch RNG per process, so sampled rollouts
+# differ with the process count), no shuffling: the same sequences in the same mini-batches either way
+SAME = [*FAST, "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "rollout.temperature=0",
+        "actor.shuffle=false", "critic.shuffle=false", "trainer.test_freq=2", "mesh.data=-1", "trainer.seed=4"]
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _comparable(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if not k.startswith(("timing_s/", "perf/", "time"))}
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    res = subprocess.run([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={one}", *SAME],
+                         cwd=ROOT, env=_env(2), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    res = subprocess.run([sys.executable, "-m", "jaxppo.launch", "--nproc", "2", "--",
+                          f"trainer.default_local_dir={two}", *SAME],
+                         cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-6000:]
+    assert res.stderr.count("jaxppo.launch: process") == 2
+    a, b = read_metrics(one), read_metrics(two)
+    assert sorted(a) == sorted(b) == [0, 1, 2]
+    assert "val/score" in b[0] and "actor/pg_loss" in b[2]
+    for step in (0, 1, 2):
+        ra, rb = _comparable(a[step]), _comparable(b[step])
+        assert ra.keys() == rb.keys(), step
+        for k in ra:
+            assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-5), (step, k)
+    assert (two / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.slow
+def test_a_dead_process_stops_the_others(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxppo.launch", "--nproc", "2", "--grace", "5", "--",
+                             f"trainer.default_local_dir={run}", *SAME, "trainer.total_training_steps=200"],
+                            cwd=ROOT, env=_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    pids = []
+    while len(pids) < 2:
+        line = proc.stderr.readline()
+        assert line, "launcher ended before starting its processes"
+        if line.startswith("jaxppo.launch: process"):
+            pids.append(int(line.split("pid")[1]))
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").is_file() and '"step": 1' in (run / "metrics.jsonl").read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    rest = proc.communicate(timeout=120)[1]
+    assert time.monotonic() - t0 < 60  # grace 5 s + reaping, not a hang
+    assert proc.returncode != 0
+    assert "process 1 exited with code -9; stopping the other 1" in rest
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
+
+
+def test_topology_from_launcher_torchrun_and_slurm_environments():
+    t = topology_from_env({"JAXPPO_COORDINATOR": "h:1", "JAXPPO_NUM_PROCESSES": "4", "JAXPPO_PROCESS_ID": "2",
+                           "JAXPPO_LOCAL_DEVICE_IDS": "2"})
+    assert (t.coordinator, t.num_processes, t.process_id, t.local_device_ids) == ("h:1", 4, 2, (2,))
+    t = topology_from_env({"MASTER_ADDR": "m", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5",
+                           "LOCAL_RANK": "1"})
+    assert (t.coordinator, t.num_processes, t.process_id, t.local_device_ids) == ("m:29500", 8, 5, (1,))
+    t = topology_from_env({"MASTER_ADDR": "m", "MASTER_PORT": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+                           "SLURM_LOCALID": "0"})
+    assert (t.num_processes, t.process_id, t.local_device_ids) == (2, 1, (0,))
+    assert topology_from_env({}) is None
