@@ -211,12 +211,14 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     adv, ret = adv_fn(jnp.asarray(rewards), jnp.asarray(rmask), jnp.asarray(J["values"]))
     J["token_rewards"], J["advantages"], J["returns"] = np.asarray(rewards), np.asarray(adv), np.asarray(ret)
 
-    def jax_batches():
-        full = dict(batch_np, old_logprobs=J["old_logprobs"], advantages=J["advantages"], values=J["values"],
-                    returns=J["returns"])
+    def minibatches(base: dict, res: dict) -> list[dict]:
+        """The K update mini-batches (contiguous, in order) of `base` + one framework's step results."""
+        full = dict(base, **{k: res[k] for k in ("old_logprobs", "advantages", "values", "returns")})
         if use_ref:
-            full["ref_logprobs"] = J["ref_logprobs"]
+            full["ref_logprobs"] = res["ref_logprobs"]
         return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(K)]
+
+    jax_batches = lambda: minibatches(batch_np, J)  # noqa: E731
 
     J["critic"], J["actor"] = [], []
     for part in jax_batches():
@@ -252,12 +254,7 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     tc0 = {k: v.detach().float().clone() for k, v in t_critic.state_dict().items()}
     a_lr, c_lr = lr_schedule(cfg.actor.optim, total), lr_schedule(cfg.critic.optim, total)
 
-    def torch_batches():
-        full = dict(tb, old_logprobs=T["old_logprobs"], advantages=T["advantages"], values=T["values"],
-                    returns=T["returns"])
-        if use_ref:
-            full["ref_logprobs"] = T["ref_logprobs"]
-        return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(K)]
+    torch_batches = lambda: minibatches(tb, T)  # noqa: E731
 
     T["critic"] = [ref_torch.critic_update(t_critic, c_opt, part, cfg.critic, R, float(c_lr(i)), args.micro_batches,
                                            autocast) for i, part in enumerate(torch_batches())]

@@ -283,7 +283,7 @@ class PPOTrainer:
         start = (self.sampler.state(), self.kl_coef)
         try:
             with timer("step"):
-                pre, ro, p_mask, skip = self._rollout_phases(timer, metrics)
+                pre, skip = self._rollout_phases(timer, metrics)
                 if not skip:
                     self._update_phases(timer, metrics)
         except _Abandoned:
@@ -299,7 +299,7 @@ class PPOTrainer:
 
     def _rollout_phases(self, timer: Timer, metrics: dict[str, float]):
         """gen -> reward -> old / ref log-probs, values -> advantages, then the health rules known before
-        the updates; leaves the update batches on `self`. Returns (rollout metrics, rollouts, prompt mask,
+        the updates; leaves the update batches on `self`. Returns (rollout metrics over all processes,
         skip the updates)."""
         cfg = self.cfg
         rows = self.sampler.next_batch()  # the global batch; this process generates for its share
@@ -361,7 +361,7 @@ class PPOTrainer:
         found = self.health.decide(pre, "pre")
         skip = any(f.action in ("skip_update", "stop") for f in found)
         self._interrupt_point()
-        return pre, ro, p_mask, skip
+        return pre, skip
 
     def _forward_input(self, engine, dynamic: bool, budget: int, batch: dict[str, np.ndarray], what: str):
         """(device batch, output -> host [b, r] array): padded, or packed into `budget`-token rows."""
