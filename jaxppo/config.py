@@ -279,8 +279,6 @@ def validate_processes(cfg: Config, processes: int) -> None:
     for name, sub in (("actor", cfg.actor), ("critic", cfg.critic)):
         if (sub.ppo_mini_batch_size * cfg.rollout.n) % processes:
             raise ConfigError(f"{name}.ppo_mini_batch_size x rollout.n does not split over {processes} processes")
-        if sub.use_dynamic_bsz:
-            raise ConfigError(f"{name}.use_dynamic_bsz is not supported with several processes yet")
 
 
 def to_yaml(cfg: Config) -> str:

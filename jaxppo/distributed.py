@@ -97,15 +97,15 @@ def gather_ragged(x: np.ndarray, fill) -> np.ndarray:
     return out[out != fill] if not (isinstance(fill, float) and np.isnan(fill)) else out[~np.isnan(out)]
 
 
-def local_rows(x) -> np.ndarray:
-    """This process's rows of a global array sharded over its batch axis (the rows it contributed)."""
+def local_rows(x, axis: int = 0) -> np.ndarray:
+    """This process's part of a global array sharded over its batch axis `axis` (what it contributed)."""
     if process_count() == 1:
         return np.asarray(x)
     pieces = {}
     for s in x.addressable_shards:
-        start = s.index[0].start or 0
+        start = s.index[axis].start or 0
         pieces.setdefault(start, np.asarray(s.data))
-    return np.concatenate([pieces[k] for k in sorted(pieces)], axis=0)
+    return np.concatenate([pieces[k] for k in sorted(pieces)], axis=axis)
 
 
 def is_main() -> bool:

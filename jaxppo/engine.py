@@ -195,13 +195,34 @@ class _Base:
         """Programs compiled so far by this engine's jitted forward and update (the `perf/compiles` metric)."""
         return sum(f._cache_size() for f in (self._forward_jit, self._update_jit) if f is not None)
 
+    def pack(self, batch: dict[str, np.ndarray], budget: int, what: str):
+        """This process's rows of a padded host batch packed into one row per local batch shard and
+        micro-batch; with several processes the shapes are agreed on (the largest bucket wins)."""
+        from jaxppo import distributed as dist
+        from jaxppo.packing import pack
+
+        k = jax.process_count()
+        if self.batch_shards % k:
+            raise ValueError(f"{self.batch_shards} batch shards do not split over {k} processes")
+        local = self.batch_shards // k
+        packed = pack(batch, self.response_length, budget, local, what)
+        if k > 1:
+            n, s = (int(v) for v in dist.gather_rows(np.array([packed.shape_key])).max(0))
+            if (n, s) != packed.shape_key:
+                packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s)
+        return packed
+
     def shard_packed(self, packed) -> Batch:
-        """A `jaxppo.packing.Packed` batch -> device arrays, rows / slots spread over (data, fsdp)."""
+        """A `jaxppo.packing.Packed` batch (this process's rows) -> global device arrays, rows / slots
+        spread over (data, fsdp)."""
         self.compiled_shapes.add(packed.shape_key)
         out = {}
         for k, v in packed.arrays.items():
-            spec = P(None, ("data", "fsdp"), *([None] * (v.ndim - 2)))
-            out[k] = jax.device_put(v, NamedSharding(self.mesh, spec))
+            sharding = NamedSharding(self.mesh, P(None, ("data", "fsdp"), *([None] * (v.ndim - 2))))
+            if jax.process_count() > 1:
+                out[k] = jax.make_array_from_process_local_data(sharding, v)
+            else:
+                out[k] = jax.device_put(v, sharding)
         return out
 
     def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:

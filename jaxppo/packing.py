@@ -104,7 +104,7 @@ def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[list[int]]:
 
 
 def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards: int,
-         what: str = "actor.ppo_max_token_len_per_device") -> Packed:
+         what: str = "actor.ppo_max_token_len_per_device", min_micro: int = 1, min_slots: int = 1) -> Packed:
     """Pack a padded host batch (see jaxppo/engine.py for the layout) into rows of `budget` tokens."""
     ids, seg = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
     r = response_length
@@ -117,11 +117,11 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
         i = int(too_long[0])
         raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than {what} = {budget}")
     bins = first_fit_decreasing(lengths, budget)
-    n_micro = bucket(math.ceil(len(bins) / shards))
+    n_micro = max(bucket(math.ceil(len(bins) / shards)), min_micro)  # min_*: what other processes need
     bins += [[] for _ in range(n_micro * shards - len(bins))]
     rmask = np.asarray(batch["response_mask"]) > 0
     rlen = rmask.sum(1)
-    slots = bucket(max(1, max(int(rlen[m].sum()) for m in bins)))
+    slots = max(bucket(max(1, max(int(rlen[m].sum()) for m in bins))), min_slots)
     rows = n_micro * shards
 
     out_ids, out_seg, out_pos = (np.zeros((rows, budget), np.int32) for _ in range(3))

@@ -26,7 +26,6 @@ from jaxppo.errors import ConfigError
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.health import HealthMonitor, update_guards
 from jaxppo.metrics import MetricsLogger, stats
-from jaxppo.packing import pack
 from jaxppo.models import load_model, save_hf_checkpoint
 from jaxppo.models.hf_io import export_hf_arrays
 from jaxppo.perf import measure_matmul_peak, train_flops_per_token
@@ -256,8 +255,8 @@ class PPOTrainer:
                 rows = order[i::k]
                 part = {k: v[rows] for k, v in batch.items()}
                 if sub.use_dynamic_bsz:
-                    packed = pack(part, self.R, sub.ppo_max_token_len_per_device, engine.batch_shards,
-                                  f"{'actor' if engine is self.actor else 'critic'}.ppo_max_token_len_per_device")
+                    packed = engine.pack(part, sub.ppo_max_token_len_per_device,
+                                         f"{'actor' if engine is self.actor else 'critic'}.ppo_max_token_len_per_device")
                     state, m = engine.update(state, engine.shard_packed(packed))
                 else:
                     state, m = engine.update(state, engine.shard_batch(part))
@@ -367,11 +366,10 @@ class PPOTrainer:
         """(device batch, output -> host [b, r] array): padded, or packed into `budget`-token rows."""
         if not dynamic:
             return engine.shard_batch(batch), dist.local_rows
-        if jax.process_count() > 1:
-            raise NotImplementedError("use_dynamic_bsz with several processes is not supported yet")
-        packed = pack({k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}, self.R,
-                      budget, engine.batch_shards, what)
-        return engine.shard_packed(packed), lambda x: packed.unpack(np.asarray(x), batch["input_ids"].shape[0])
+        packed = engine.pack({k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")},
+                             budget, what)
+        n = batch["input_ids"].shape[0]
+        return engine.shard_packed(packed), lambda x: packed.unpack(dist.local_rows(x, axis=1), n)
 
     def _update_phases(self, timer: Timer, metrics: dict[str, float]) -> None:
         cfg = self.cfg

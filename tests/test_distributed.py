@@ -30,14 +30,21 @@ def _comparable(rec: dict) -> dict:
     return {k: v for k, v in rec.items() if not k.startswith(("timing_s/", "perf/", "time"))}
 
 
+PACKED = ["actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_device=128",
+          "actor.log_prob_max_token_len_per_device=128", "critic.ppo_max_token_len_per_device=128",
+          "critic.forward_max_token_len_per_device=128"]
+
+
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_two_processes_match_one(layout, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    res = subprocess.run([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={one}", *SAME],
+    args = SAME + (PACKED if layout == "packed" else [])
+    res = subprocess.run([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={one}", *args],
                          cwd=ROOT, env=_env(2), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     res = subprocess.run([sys.executable, "-m", "jaxppo.launch", "--nproc", "2", "--",
-                          f"trainer.default_local_dir={two}", *SAME],
+                          f"trainer.default_local_dir={two}", *args],
                          cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-6000:]
     assert res.stderr.count("jaxppo.launch: process") == 2
