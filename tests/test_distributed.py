@@ -35,14 +35,21 @@ PACKED = ["actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true", "actor.pp
           "critic.forward_max_token_len_per_device=128"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_two_processes_match_one(layout, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    args = SAME + (PACKED if layout == "packed" else [])
-    res = subprocess.run([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={one}", *args],
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The reference: one process, two devices, padded (packed == padded is tests/test_packing.py's)."""
+    one = tmp_path_factory.mktemp("one")
+    res = subprocess.run([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={one}", *SAME],
                          cwd=ROOT, env=_env(2), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
+    return one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_two_processes_match_one(layout, one_process_run, tmp_path):
+    one, two = one_process_run, tmp_path / "two"
+    args = SAME + (PACKED if layout == "packed" else [])
     res = subprocess.run([sys.executable, "-m", "jaxppo.launch", "--nproc", "2", "--",
                           f"trainer.default_local_dir={two}", *args],
                          cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
