@@ -222,12 +222,10 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
 
     J["critic"], J["actor"] = [], []
     for part in jax_batches():
-        c_state, m = critic.update(c_state, critic.shard_batch({k: part[k] for k in (
-            "input_ids", "attention_mask", "positions", "response_mask", "values", "returns")}))
+        c_state, m = critic.update(c_state, critic.shard_batch(_critic_part(part)))
         J["critic"].append(jax.device_get(m))
     for part in jax_batches():
-        a_state, m = actor.update(a_state, actor.shard_batch({k: v for k, v in part.items() if k not in (
-            "values", "returns")}))
+        a_state, m = actor.update(a_state, actor.shard_batch(_actor_part(part)))
         J["actor"].append(jax.device_get(m))
     a_delta = {n: np.asarray(x) - a0[n] for n, x in export_hf_arrays(a_state.params, jnp.float32)}
     c_delta = {n: np.asarray(x) - c0[n] for n, x in export_hf_arrays(c_state.params, jnp.float32)}
@@ -318,6 +316,16 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     return report
 
 
+def _critic_part(part: dict) -> dict:
+    """What the critic update reads of a mini-batch."""
+    return {k: part[k] for k in ("input_ids", "attention_mask", "positions", "response_mask", "values", "returns")}
+
+
+def _actor_part(part: dict) -> dict:
+    """What the actor update reads of a mini-batch (all but the critic's targets)."""
+    return {k: v for k, v in part.items() if k not in ("values", "returns")}
+
+
 def _median_time(fn, repeats: int, sync) -> float:
     fn()
     sync()  # warm-up (compiles)
@@ -347,14 +355,9 @@ def _time_phases(args, actor, critic, a_state, c_state, sharded, jax_batches, ad
         jax.block_until_ready(last.get("x"))
 
     def upd(kind):
-        engine, parts = (actor, jax_batches()) if kind == "a" else (critic, jax_batches())
-        for part in parts:
-            if kind == "c":
-                part = {k: part[k] for k in ("input_ids", "attention_mask", "positions", "response_mask", "values",
-                                             "returns")}
-            else:
-                part = {k: v for k, v in part.items() if k not in ("values", "returns")}
-            state[kind], last["x"] = engine.update(state[kind], engine.shard_batch(part))
+        engine, select = (actor, _actor_part) if kind == "a" else (critic, _critic_part)
+        for part in jax_batches():
+            state[kind], last["x"] = engine.update(state[kind], engine.shard_batch(select(part)))
 
     jx = {"old_log_prob": lambda: last.__setitem__("x", actor.logprobs(state["a"].params, sharded)),
           "values": lambda: last.__setitem__("x", critic.values(state["c"].params, sharded)),

@@ -66,11 +66,14 @@ def split_micro(batch: Batch, n_micro: int, mesh: Mesh) -> Batch:
 
     def one(x):
         b = x.shape[0]
-        y = jnp.swapaxes(x.reshape((b // n_micro, n_micro) + x.shape[1:]), 0, 1)
-        spec = P(None, ("data", "fsdp"), *([None] * (x.ndim - 1)))
-        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
+        return jnp.swapaxes(x.reshape((b // n_micro, n_micro) + x.shape[1:]), 0, 1)
 
-    return jax.tree.map(one, batch)
+    return constrain_micro(jax.tree.map(one, batch), mesh)
+
+
+def constrain_micro(batch: Batch, mesh: Mesh) -> Batch:
+    """[n_micro, batch, ...] arrays: the batch axis (rows, or packed rows / slots) over (data, fsdp)."""
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, axis=1)), batch)
 
 
 def merge_micro(x: jax.Array) -> jax.Array:
@@ -174,22 +177,17 @@ class _Base:
                              f"({per_device} per device x {self.batch_shards} batch shards = {micro})")
         return b // micro
 
+    def _micro_batches(self, batch: Batch, per_device: int) -> Batch:
+        """[n_micro, ...] micro-batches: a packed batch (jaxppo/packing.py) arrives split already."""
+        if "gather_idx" in batch:
+            return constrain_micro(batch, self.mesh)
+        return split_micro(batch, self._n_micro(batch["input_ids"].shape[0], per_device), self.mesh)
+
     def _forward_map(self, fn: Callable, params: Any, batch: Batch) -> Any:
-        """`fn(params, micro_batch)` over forward micro-batches with lax.map; outputs re-merged [b, ...]."""
-        n = self._n_micro(batch["input_ids"].shape[0], self.forward_micro_batch_per_device)
-        out = jax.lax.map(lambda mb: fn(params, mb), split_micro(batch, n, self.mesh))
-        return jax.tree.map(merge_micro, out)
-
-    def _constrain_packed(self, packed: Batch) -> Batch:
-        """Packed arrays [n_micro, rows or slots, ...]: the second axis over the batch shards."""
-        def one(x):
-            spec = P(None, ("data", "fsdp"), *([None] * (x.ndim - 2)))
-            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-        return jax.tree.map(one, packed)
-
-    def _forward_packed(self, fn: Callable, params: Any, packed: Batch) -> Any:
-        """`fn(params, micro_batch)` over packed micro-batches; outputs [n_micro, slots, ...]."""
-        return jax.lax.map(lambda mb: fn(params, mb), self._constrain_packed(packed))
+        """`fn(params, micro_batch)` over forward micro-batches with lax.map; outputs re-merged [b, ...]
+        (packed: left per micro-batch, [n_micro, rows, slots], for `Packed.unpack`)."""
+        out = jax.lax.map(lambda mb: fn(params, mb), self._micro_batches(batch, self.forward_micro_batch_per_device))
+        return out if "gather_idx" in batch else jax.tree.map(merge_micro, out)
 
     def compiles(self) -> int:
         """Programs compiled so far by this engine's jitted forward and update (the `perf/compiles` metric)."""
@@ -216,24 +214,13 @@ class _Base:
         """A `jaxppo.packing.Packed` batch (this process's rows) -> global device arrays, rows / slots
         spread over (data, fsdp)."""
         self.compiled_shapes.add(packed.shape_key)
-        out = {}
-        for k, v in packed.arrays.items():
-            sharding = NamedSharding(self.mesh, P(None, ("data", "fsdp"), *([None] * (v.ndim - 2))))
-            if jax.process_count() > 1:
-                out[k] = jax.make_array_from_process_local_data(sharding, v)
-            else:
-                out[k] = jax.device_put(v, sharding)
-        return out
+        return self._to_global(packed.arrays, axis=1)
 
     def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
         """Sum gradients of micro-batch losses (already normalised by mini-batch counts) in one scan,
         then one clipped AdamW step. Metrics are summed over micro-batches (they are normalised alike).
         A packed mini-batch (jaxppo/packing.py) arrives already split into micro-batches."""
-        if "gather_idx" in minibatch:
-            micro = self._constrain_packed(minibatch)
-        else:
-            n = self._n_micro(minibatch["input_ids"].shape[0], self.micro_batch_per_device)
-            micro = split_micro(minibatch, n, self.mesh)
+        micro = self._micro_batches(minibatch, self.micro_batch_per_device)
         num_tokens, num_seqs = _norms(minibatch["response_mask"])
         if "seq_count" in minibatch:  # packed rows are not sequences
             num_seqs = jnp.sum(minibatch["seq_count"])
@@ -277,9 +264,12 @@ class _Base:
 
     def shard_batch(self, batch: dict[str, np.ndarray]) -> Batch:
         """Host arrays -> global arrays sharded over (data, fsdp) (this process's rows when multi-process)."""
+        return self._to_global(batch, axis=0)
+
+    def _to_global(self, batch: dict[str, np.ndarray], axis: int) -> Batch:
         out = {}
         for k, v in batch.items():
-            sharding = batch_sharding(self.mesh, np.ndim(v))
+            sharding = batch_sharding(self.mesh, np.ndim(v), axis)
             if jax.process_count() > 1:
                 out[k] = jax.make_array_from_process_local_data(sharding, np.asarray(v))
             else:
@@ -320,10 +310,8 @@ class ActorEngine(_Base):
         """Per-token log-probs (and entropies, zeros unless asked) of the response tokens, [b, r]; for a
         packed batch (`shard_packed`), [n_micro, slots, r] (`Packed.unpack` restores the order)."""
         if self._forward_jit is None:
-            def fwd(p, b, e):
-                fn = lambda pp, mb: self._logprobs(pp, mb, e)  # noqa: E731
-                return self._forward_packed(fn, p, b) if "gather_idx" in b else self._forward_map(fn, p, b)
-            self._forward_jit = jax.jit(fwd, static_argnums=2)
+            self._forward_jit = jax.jit(
+                lambda p, b, e: self._forward_map(lambda pp, mb: self._logprobs(pp, mb, e), p, b), static_argnums=2)
         with self._ctx():
             return self._forward_jit(params, batch, with_entropy)
 
@@ -373,10 +361,8 @@ class CriticEngine(_Base):
 
     def values(self, params: Any, batch: Batch) -> jax.Array:
         if self._forward_jit is None:
-            def fwd(p, b):
-                fn = lambda pp, mb: response_values(self.module, pp, mb, self.response_length)  # noqa: E731
-                return self._forward_packed(fn, p, b) if "gather_idx" in b else self._forward_map(fn, p, b)
-            self._forward_jit = jax.jit(fwd)
+            self._forward_jit = jax.jit(lambda p, b: self._forward_map(
+                lambda pp, mb: response_values(self.module, pp, mb, self.response_length), p, b))
         with self._ctx():
             return self._forward_jit(params, batch)
 

@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 # per-token arrays of the padded layout that follow their sequence into its slot
-SEQ_KEYS = ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "is_weights", "values", "returns")
+SEQ_KEYS = ("old_logprobs", "advantages", "ref_logprobs", "is_weights", "values", "returns")
 
 
 def _pow2(n: int) -> int:
@@ -129,8 +129,7 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     slot_mask, weight = np.zeros((rows, slots), np.float32), np.zeros((rows, slots), np.float32)
     slot_seq, slot_pos = np.full((rows, slots), -1, np.int64), np.zeros((rows, slots), np.int64)
     seq_count = np.zeros(rows, np.float32)
-    per_tok = {k: np.zeros((rows, slots), np.asarray(batch[k]).dtype) for k in SEQ_KEYS
-               if k in batch and k != "response_mask"}
+    per_tok = {k: np.zeros((rows, slots), np.asarray(batch[k]).dtype) for k in SEQ_KEYS if k in batch}
     # token k of a sequence's valid run is its k-th valid column (prompts left-padded, responses
     # right-padded); the state before response token j is valid token n_prompt - 1 + j
     for row, members in enumerate(bins):

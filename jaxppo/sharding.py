@@ -99,9 +99,12 @@ def param_shardings(abstract_boxed: Any, mesh: Mesh) -> Any:
     return jax.tree.map(one, abstract_boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Batches are split over (data, fsdp) on their leading axis."""
-    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh, ndim: int = 2, axis: int = 0) -> NamedSharding:
+    """Batches are split over (data, fsdp) on their batch axis: the leading one, or `axis` when a
+    micro-batch axis comes first ([n_micro, batch, ...])."""
+    spec = [None] * ndim
+    spec[axis] = ("data", "fsdp")
+    return NamedSharding(mesh, P(*spec))
 
 
 def activation_rules(mesh: Mesh) -> list[tuple[str, Any]]:

@@ -194,19 +194,26 @@ class PPOTrainer:
         sleeping engine may have dropped its weights (vLLM sleep level 2), and the push is cheap."""
         self.engine.update_weights(export_hf_arrays(self.actor_state.params, DTYPES[self.engine_dtype]))
 
-    def generate(self, prompt_ids: list[np.ndarray], sampling: Sampling, timer: Timer | None = None):
-        """wake -> push weights -> generate -> sleep, each phase timed (timing_s/wake, sync, gen, sleep)."""
+    @contextlib.contextmanager
+    def awake(self, timer: Timer | None = None):
+        """The rollout engine woken with the actor's current weights, put back to sleep on exit; each
+        phase timed (timing_s/wake, sync, sleep)."""
         timer = timer or Timer()
         with timer("wake"):
             self.engine.wake()
-        with timer("sync"):
-            self.sync_weights()
         try:
-            with timer("gen"):
-                return self.engine.generate([p.tolist() for p in prompt_ids], sampling)
+            with timer("sync"):
+                self.sync_weights()
+            yield
         finally:
             with timer("sleep"):
                 self.engine.sleep()
+
+    def generate(self, prompt_ids: list[np.ndarray], sampling: Sampling, timer: Timer | None = None):
+        """wake -> push weights -> generate (timing_s/gen) -> sleep."""
+        timer = timer or Timer()
+        with self.awake(timer), timer("gen"):
+            return self.engine.generate([p.tolist() for p in prompt_ids], sampling)
 
     def decode(self, rollouts) -> list[str]:
         return [self.tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
@@ -246,13 +253,13 @@ class PPOTrainer:
     def _update(self, engine, state, batch: dict[str, np.ndarray], sub, seed: int):
         """ppo_epochs x mini-batches of `batch` (host arrays); returns the new state and mean metrics."""
         n = batch["input_ids"].shape[0]  # this process's rows
-        k = self.cfg.data.train_batch_size // sub.ppo_mini_batch_size  # mini-batches per epoch
+        n_mini = self.cfg.data.train_batch_size // sub.ppo_mini_batch_size  # mini-batches per epoch
         rng = np.random.default_rng(seed)
         out = []
         for _ in range(sub.ppo_epochs):
             order = rng.permutation(n) if sub.shuffle else np.arange(n)
-            for i in range(k):  # strided: a mini-batch is the same rows whatever the number of processes
-                rows = order[i::k]
+            for i in range(n_mini):  # strided: a mini-batch is the same rows whatever the number of processes
+                rows = order[i::n_mini]
                 part = {k: v[rows] for k, v in batch.items()}
                 if sub.use_dynamic_bsz:
                     packed = engine.pack(part, sub.ppo_max_token_len_per_device,
@@ -267,24 +274,26 @@ class PPOTrainer:
 
     def _stop_requested(self) -> bool:
         """A stop signal seen by any process (a collective when there are several: all agree)."""
-        return dist.any_process(self._signal is not None)
+        if dist.any_process(self._signal is not None):
+            self._signal = self._signal or "SIGTERM (another process)"
+            return True
+        return False
 
     def _interrupt_point(self) -> None:
         if self._stop_requested():
-            self._signal = self._signal or "SIGTERM (another process)"
             raise _Abandoned()
 
     def train_step(self) -> dict[str, float]:
         """One PPO step. A stop signal during the phases before the updates abandons the step (sampler
         and KL controller restored, nothing updated); once the updates begin the step completes."""
-        cfg, timer = self.cfg, Timer(torch_regions=self._profiling and "torch" in sys.modules)
+        timer = Timer(torch_regions=self._profiling and "torch" in sys.modules)
         metrics: dict[str, float] = {}
         start = (self.sampler.state(), self.kl_coef)
         try:
             with timer("step"):
-                pre, skip = self._rollout_phases(timer, metrics)
+                pre, skip, batches = self._rollout_phases(timer, metrics)
                 if not skip:
-                    self._update_phases(timer, metrics)
+                    self._update_phases(timer, metrics, *batches)
         except _Abandoned:
             self.sampler.load_state(start[0])
             self.kl_coef = start[1]
@@ -292,14 +301,14 @@ class PPOTrainer:
         self.step += 1
         metrics.update(timer.times)
         metrics.update(pre)
-        metrics.update(self._perf_metrics(timer.times))
+        metrics.update(self._perf_metrics(timer.times, pre["perf/total_num_tokens"]))
         metrics["health/skipped_steps"] = float(skip)
         return metrics
 
     def _rollout_phases(self, timer: Timer, metrics: dict[str, float]):
         """gen -> reward -> old / ref log-probs, values -> advantages, then the health rules known before
-        the updates; leaves the update batches on `self`. Returns (rollout metrics over all processes,
-        skip the updates)."""
+        the updates. Returns (rollout metrics over all processes, skip the updates, (actor batch, critic
+        batch or None) of this process's rows)."""
         cfg = self.cfg
         rows = self.sampler.next_batch()  # the global batch; this process generates for its share
         mine = dist.share(len(rows), "prompts of data.train_batch_size")
@@ -343,24 +352,23 @@ class PPOTrainer:
         if cfg.actor.tis_threshold is not None:
             batch["is_weights"] = np.asarray(ppo.truncated_is_weights(old_lp, ro.logprobs, rmask,
                                                                       cfg.actor.tis_threshold))
+        cbatch = None
         if self.use_critic:
             cbatch = {k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}
             cbatch.update(values=values, returns=ret)
-            self._critic_batch = cbatch
-        self._actor_batch = batch
         local = {"scores": scores, "rewards": rewards.sum(-1), "adv": adv, "ret": ret, "old_lp": old_lp,
                  "rollout_lp": ro.logprobs, "rmask": rmask, "lengths": ro.lengths.astype(np.float64),
                  "prompt_lengths": p_mask.sum(-1)[ro.prompt_index].astype(np.float64),
                  "reward_errors": np.array([float(reward_errors)])}
         if values is not None:
             local["values"] = values
-        self._gathered = g = {k: dist.gather_rows(v) for k, v in local.items()}  # metrics are global
+        g = {k: dist.gather_rows(v) for k, v in local.items()}  # metrics are global
         pre = self._rollout_metrics(g)
         pre["reward/errors"] = float(g["reward_errors"].sum())
         found = self.health.decide(pre, "pre")
         skip = any(f.action in ("skip_update", "stop") for f in found)
         self._interrupt_point()
-        return pre, skip
+        return pre, skip, (batch, cbatch)
 
     def _forward_input(self, engine, dynamic: bool, budget: int, batch: dict[str, np.ndarray], what: str):
         """(device batch, output -> host [b, r] array): padded, or packed into `budget`-token rows."""
@@ -371,19 +379,19 @@ class PPOTrainer:
         n = batch["input_ids"].shape[0]
         return engine.shard_packed(packed), lambda x: packed.unpack(dist.local_rows(x, axis=1), n)
 
-    def _update_phases(self, timer: Timer, metrics: dict[str, float]) -> None:
+    def _update_phases(self, timer: Timer, metrics: dict[str, float], batch: dict[str, np.ndarray],
+                       cbatch: dict[str, np.ndarray] | None) -> None:
         cfg = self.cfg
         if self.use_critic:
             with timer("update_critic"):
-                self.critic_state, cm = self._update(self.critic, self.critic_state, self._critic_batch, cfg.critic,
+                self.critic_state, cm = self._update(self.critic, self.critic_state, cbatch, cfg.critic,
                                                      cfg.trainer.seed + 7919 * self.step)
             metrics.update(_mean_metrics(cm, "critic"))
         if self.step >= cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                self.actor_state, am = self._update(self.actor, self.actor_state, self._actor_batch, cfg.actor,
+                self.actor_state, am = self._update(self.actor, self.actor_state, batch, cfg.actor,
                                                     cfg.trainer.seed + 104729 * self.step)
             metrics.update(_mean_metrics(am, "actor"))
-        self._actor_batch = self._critic_batch = None
 
     def _inject_scores(self, scores: np.ndarray) -> np.ndarray:
         """Test hook: scores as the reward phase returned them (subclasses inject faults here)."""
@@ -408,14 +416,12 @@ class PPOTrainer:
         m["response_length/clip_ratio"] = float(np.mean(g["lengths"] >= self.R))
         m.update(stats("prompt_length", g["prompt_lengths"]))
         m.update({k: float(v) for k, v in ppo.rollout_mismatch_metrics(g["old_lp"], g["rollout_lp"], rmask).items()})
+        m["perf/total_num_tokens"] = float(g["prompt_lengths"].sum() + g["lengths"].sum())
         return m
 
-    def _perf_metrics(self, times) -> dict[str, float]:
-        g = self._gathered
+    def _perf_metrics(self, times, tokens: float) -> dict[str, float]:
         m: dict[str, float] = {}
-        tokens = float(g["prompt_lengths"].sum() + g["lengths"].sum())
         n_dev = jax.device_count()
-        m["perf/total_num_tokens"] = tokens
         m["perf/compiles"] = float(self.actor.compiles() + (self.critic.compiles() if self.use_critic else 0))
         m["perf/throughput"] = tokens / times["timing_s/step"] / n_dev
         if "timing_s/update_actor" in times:
@@ -433,9 +439,7 @@ class PPOTrainer:
         temp = self.cfg.rollout.val_temperature
         mine = np.array_split(np.arange(len(ds)), jax.process_count())[jax.process_index()]
         scores, index = [], []
-        self.engine.wake()
-        try:
-            self.sync_weights()
+        with self.awake():
             for start in range(0, len(mine), bs):
                 rows = mine[start:start + bs]
                 ro = self.engine.generate([ds.input_ids[i].tolist() for i in rows],
@@ -444,8 +448,6 @@ class PPOTrainer:
                                   [ds.ground_truth[i] for i in rows], [ds.extra_info[i] for i in rows])
                 scores.extend(res.scores.tolist())
                 index.extend(rows.tolist())
-        finally:
-            self.engine.sleep()
         scores = dist.gather_ragged(np.asarray(scores, np.float64), np.nan)
         sources = [ds.data_source[i] for i in dist.gather_ragged(np.asarray(index, np.int64), -1)]
         out = {}
@@ -574,7 +576,6 @@ class PPOTrainer:
                     if self.stop_reason:
                         break
                 if self._stop_requested():
-                    self._signal = self._signal or "SIGTERM (another process)"
                     self.save_checkpoint()
                     self.stop_reason = (f"{self._signal}: stopped at step {self.step}, checkpoint written to "
                                         f"{self.checkpointer.directory}/{self.step}; run the same command again to "

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jaxppo.distributed import topology_from_env
-from tests.train_helpers import FAST, ROOT, read_metrics
+from tests.train_helpers import FAST, ROOT, logged_step, read_metrics, train_env, wait_until
 
 # greedy rollouts (the transformers engine samples with one torch RNG per process, so sampled rollouts
 # differ with the process count), no shuffling: the same sequences in the same mini-batches either way
@@ -19,11 +19,7 @@ SAME = [*FAST, "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return env
+    return train_env(devices, JAX_PLATFORMS="cpu")
 
 
 def _comparable(rec: dict) -> dict:
@@ -78,10 +74,7 @@ def test_a_dead_process_stops_the_others(tmp_path):
         assert line, "launcher ended before starting its processes"
         if line.startswith("jaxppo.launch: process"):
             pids.append(int(line.split("pid")[1]))
-    deadline = time.monotonic() + 300
-    while not ((run / "metrics.jsonl").is_file() and '"step": 1' in (run / "metrics.jsonl").read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until(lambda: logged_step(run, 1), proc, "step 1")
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()
     rest = proc.communicate(timeout=120)[1]

@@ -3,11 +3,8 @@ reaching the parameters, early stopping, and SIGTERM -> checkpoint -> exact resu
 
 import gzip
 import logging
-import os
 import signal
 import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
@@ -16,7 +13,7 @@ import pytest
 from jaxppo.config import load_config
 from jaxppo.trainer import PPOTrainer
 from jaxppo.train import make_engine_factory
-from tests.train_helpers import FAST, ROOT, read_metrics, run_train
+from tests.train_helpers import FAST, ROOT, logged_step, read_metrics, run_train, start_train, wait_until
 
 # the FAST default on the 8 host devices of the test process (data=8: one sequence per device per micro-batch)
 MESH8 = ["mesh.data=-1", "actor.ppo_micro_batch_size_per_device=1", "critic.ppo_micro_batch_size_per_device=1",
@@ -182,15 +179,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path):
     straight = tmp_path / "straight"
     run_train(straight, *common)
     run = tmp_path / "stopped"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={run}", *common],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not ((run / "metrics.jsonl").is_file() and '"step": 2' in (run / "metrics.jsonl").read_text()):
-        assert proc.poll() is None, "run ended before step 2"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    proc = start_train(run, *common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_until(lambda: logged_step(run, 2), proc, "step 2")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]

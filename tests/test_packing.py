@@ -5,14 +5,11 @@ stays within the bucket bound over many random batches.
 Tolerance: fp32, the same as the mesh-invariance tests (reductions run in a different order when the
 sequences sit in different rows): 2e-5 on per-token outputs, 1e-5 relative on losses and grad norms."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxppo import ppo
 from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.models import load_model

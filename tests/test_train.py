@@ -1,11 +1,7 @@
 """`python -m jaxppo.train` end to end: metrics, engines, exact resume after SIGKILL, export, config errors."""
 
 import math
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import make_hf_checkpoint
-from tests.train_helpers import FAST, ROOT, read_metrics, run_train
+from tests.train_helpers import FAST, read_metrics, run_train, start_train, wait_until
 
 REQUIRED = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
             "actor/kl_coef", "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/score/mean",
@@ -71,15 +67,9 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path):
     straight = tmp_path / "straight"
     run_train(straight, *common)
     killed = tmp_path / "killed"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={killed}", *common],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (killed / "checkpoints" / "2").is_dir():  # orbax renames the step dir into place when complete
-        assert proc.poll() is None, "run ended before its first checkpoint"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    proc = start_train(killed, *common)
+    # orbax renames the step dir into place when complete
+    wait_until(lambda: (killed / "checkpoints" / "2").is_dir(), proc, "its first checkpoint")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "checkpoints" / "5").exists()

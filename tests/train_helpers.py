@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -17,14 +19,19 @@ FAST = ["data.train_batch_size=8", "data.max_response_length=12", "data.syntheti
         "trainer.logger=[jsonl]"]
 
 
+def train_env(devices: int = 1, **extra: str) -> dict:
+    """The environment of a run in a subprocess: `devices` CPU devices (one, like a user's run)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+    env.pop("XLA_FLAGS", None)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
 def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 600,
               extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(extra_env or {}))
-    env.pop("XLA_FLAGS", None)  # one CPU device, like a user's run
     res = subprocess.run([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={run_dir}", *overrides],
-                         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+                         capture_output=True, text=True, timeout=timeout, env=train_env(**(extra_env or {})), cwd=ROOT)
     if check and res.returncode != 0:
         raise AssertionError(res.stdout[-3000:] + res.stderr[-5000:])
     return res
@@ -37,3 +44,25 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
         rec = json.loads(line)
         out.setdefault(rec["step"], {}).update(rec)
     return out
+
+
+def start_train(run_dir: Path, *overrides: str, **popen_kw) -> subprocess.Popen:
+    """`python -m jaxppo.train` started in the background (output discarded unless popen_kw says)."""
+    popen_kw.setdefault("stdout", subprocess.DEVNULL)
+    popen_kw.setdefault("stderr", subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={run_dir}", *overrides],
+                            cwd=ROOT, env=train_env(), **popen_kw)
+
+
+def wait_until(ready, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    """Poll the file-system condition `ready()` while `proc` runs (fails if it ends first or times out)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"run ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def logged_step(run_dir: Path, step: int) -> bool:
+    path = Path(run_dir) / "metrics.jsonl"
+    return path.is_file() and f'"step": {step}' in path.read_text()
