@@ -15,8 +15,18 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import torch
+from flax import traverse_util
 
-from jaxppo.models.hf_io import export_hf_arrays
+from jaxppo.models.hf_io import _export_layer, export_hf_arrays, hf_name, is_stacked
+
+
+def _whole_here(x: jax.Array) -> jax.Array | None:
+    """`x` whole on one local device without a copy (itself, or one replica), else None."""
+    if len(x.sharding.device_set) == 1:
+        return x
+    if x.is_fully_replicated:
+        return x.addressable_shards[0].data
+    return None
 
 
 def _local_single_device(x: jax.Array) -> jax.Array:
@@ -48,3 +58,29 @@ def iter_torch_weights(params: Any, dtype: Any = jnp.bfloat16) -> Iterator[tuple
     """(HF name, torch tensor) pairs, each a zero-copy view of a fresh JAX buffer."""
     for name, arr in export_hf_arrays(params, dtype):
         yield name, to_torch(arr)
+
+
+def hf_views(params: Any) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(HF name, torch tensor, borrowed) for every tensor, in the parameters' own dtype.
+
+    A parameter whole on one device (single device, or replicated) is handed over as a DLPack view of
+    the train state's own buffer, a stacked parameter's layer as a torch view into it: nothing is
+    copied or allocated (`borrowed` True). These views alias buffers the next update donates: copy
+    from them and synchronise before that update. A parameter sharded over several devices is gathered
+    one layer at a time into a fresh buffer instead (`borrowed` False): the consumer copies it and
+    drops it before asking for the next, so the extra memory stays one layer."""
+    flat = traverse_util.flatten_dict(params)
+    jax.block_until_ready(list(flat.values()))  # JAX dispatch is asynchronous
+    for path, value in flat.items():
+        whole = _whole_here(value)
+        if whole is not None:
+            t = torch.from_dlpack(whole)
+            if is_stacked(path):
+                yield from ((hf_name(path, i), layer, True) for i, layer in enumerate(t.unbind(0)))
+            else:
+                yield hf_name(path), t, True
+        elif is_stacked(path):
+            for i in range(value.shape[0]):
+                yield hf_name(path, i), to_torch(_export_layer(value, i, None)), False
+        else:
+            yield hf_name(path), to_torch(value), False

@@ -157,6 +157,8 @@ class _Base:
         self.compiled_shapes: set[tuple[int, int]] = set()  # packed (micro-batches, slots) shapes seen
         self.tx, self.schedule = make_optimizer(self.optim, self.total_steps)
         self.batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        # only the data axis splits work: gradients are summed per device, reduced once per mini-batch
+        self.local_accumulation = self.mesh.shape["data"] > 1 and self.mesh.size == self.mesh.shape["data"]
         self._update_jit = None
         self._forward_jit = None
 
@@ -226,12 +228,28 @@ class _Base:
             num_seqs = jnp.sum(minibatch["seq_count"])
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-        def body(acc, mb):
-            (loss, metrics), grads = grad_fn(state.params, mb, num_tokens, num_seqs)
-            return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+        def scan_grads(params, micro, num_tokens, num_seqs):
+            def body(acc, mb):
+                (loss, metrics), grads = grad_fn(params, mb, num_tokens, num_seqs)
+                return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, (losses, metrics) = jax.lax.scan(body, zeros, micro)
+            return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+
+        if self.local_accumulation:
+            # pure data parallelism: each device sums the gradients of its own rows over all micro-batches,
+            # and the devices add their sums once, after the scan. Left to the partitioner, the replicated
+            # accumulator would be all-reduced after every micro-batch (seen in the compiled HLO).
+            def local(params, micro, num_tokens, num_seqs):
+                with nn.logical_axis_rules(()):  # inside: per-device arrays, no sharding constraints
+                    out = scan_grads(params, micro, num_tokens, num_seqs)
+                return jax.lax.psum(out, "data")
+
+            specs = jax.tree.map(lambda x: P(None, "data"), micro)
+            grads, (losses, metrics) = jax.shard_map(
+                local, mesh=self.mesh, in_specs=(P(), specs, P(), P()), out_specs=P(), check_vma=False,
+            )(state.params, micro, num_tokens, num_seqs)
+        else:
+            grads, (losses, metrics) = scan_grads(state.params, micro, num_tokens, num_seqs)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

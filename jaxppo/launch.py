@@ -1,8 +1,10 @@
 """`python -m jaxppo.launch --nproc N [--coordinator HOST:PORT] [--node-rank R --nnodes M] -- <train args>`
 
-Starts N processes of `python -m jaxppo.train <train args>` on this host, one per GPU (or N CPU
+Starts N processes of `python -m jaxppo.train <train args>` (or `--script S`: `python S <args>`, e.g.
+scripts/bench_ppo_step.py) on this host, one per GPU (or N CPU
 processes), joined into one global mesh by `jax.distributed` (jaxppo/distributed.py): it sets the
-coordinator, each process's id and local device, and `NCCL_NVLS_ENABLE=0`. SIGINT / SIGTERM are
+coordinator, each process's id and local device (its GPU listed first in CUDA_VISIBLE_DEVICES, so JAX,
+torch and an in-process vLLM all use it as device 0), and `NCCL_NVLS_ENABLE=0`. SIGINT / SIGTERM are
 forwarded to every process (they checkpoint and exit 0). If one process dies, the others are stopped
 (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits with the failed process's code:
 no orphan hangs on a collective. Multi-host: the same command on every host with --coordinator of
@@ -38,6 +40,13 @@ def _gpu_count() -> int:
         return 0
 
 
+def gpu_env(local: int, visible: list[str]) -> dict[str, str]:
+    """Process `local`'s GPU first in its visible list: JAX takes device 0 (local_device_ids), and so do
+    torch and an in-process vLLM (vLLM's single-process worker always opens cuda:0). The other GPUs stay
+    visible so NCCL can still use NVLink peer-to-peer between the processes."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(visible[local:] + visible[:local]), "JAXPPO_LOCAL_DEVICE_IDS": "0"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -51,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (default: this host, a free port)")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--script", default=None, help="run this Python script in each process instead of jaxppo.train")
     p.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL when stopping")
     args = p.parse_args(argv)
     gpus = _gpu_count()
@@ -60,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nnodes > 1 and args.coordinator is None:
         p.error("--coordinator HOST:PORT is required with --nnodes > 1")
     coordinator = args.coordinator or f"127.0.0.1:{_free_port()}"
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] \
+        or [str(i) for i in range(gpus)]
     world = nproc * args.nnodes
     procs: list[subprocess.Popen] = []
     for local in range(nproc):
@@ -67,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, JAXPPO_COORDINATOR=coordinator, JAXPPO_NUM_PROCESSES=str(world),
                    JAXPPO_PROCESS_ID=str(rank), NCCL_NVLS_ENABLE="0")
         if gpus:
-            env["JAXPPO_LOCAL_DEVICE_IDS"] = str(local)
-        procs.append(subprocess.Popen([sys.executable, "-m", "jaxppo.train", *train_args], env=env))
+            env.update(gpu_env(local, visible))
+        target = [args.script] if args.script else ["-m", "jaxppo.train"]
+        procs.append(subprocess.Popen([sys.executable, *target, *train_args], env=env))
         print(f"jaxppo.launch: process {rank}/{world} pid {procs[-1].pid}", file=sys.stderr, flush=True)
 
     def forward(signum, frame):

@@ -27,7 +27,7 @@ from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.health import HealthMonitor, update_guards
 from jaxppo.metrics import MetricsLogger, stats
 from jaxppo.models import load_model, save_hf_checkpoint
-from jaxppo.models.hf_io import export_hf_arrays
+from jaxppo.models.hf_io import HFWeights
 from jaxppo.perf import measure_matmul_peak, train_flops_per_token
 from jaxppo.rewards import score_batch
 from jaxppo.rollout import RolloutEngine, Sampling, train_sequences
@@ -192,7 +192,7 @@ class PPOTrainer:
     def sync_weights(self) -> None:
         """Push the actor's current weights into the (awake) rollout engine. Done at every wake: a
         sleeping engine may have dropped its weights (vLLM sleep level 2), and the push is cheap."""
-        self.engine.update_weights(export_hf_arrays(self.actor_state.params, DTYPES[self.engine_dtype]))
+        self.engine.update_weights(HFWeights(self.actor_state.params, DTYPES[self.engine_dtype]))
 
     @contextlib.contextmanager
     def awake(self, timer: Timer | None = None):

@@ -3,6 +3,11 @@ of a real architecture and synthetic GSM8K-schema prompts, with vLLM's standalon
 for the same prompts measured in the same call.
 
     python scripts/bench_ppo_step.py --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6
+    python -m jaxppo.launch --nproc 2 --script scripts/bench_ppo_step.py -- --config ... --shape ... mesh.data=2
+
+With several processes (one per GPU, each with its own in-process vLLM replica generating for its share
+of the prompts), every process runs the same loop; metrics are global (the trainer reduces them), device
+memory and the standalone generation are per process, and process 0 prints the summary.
 
 Prints per phase (`timing_s/*`) the mean over steps 3..N, tokens/s, MFU of the update phases, device memory
 after each step, and the in-loop / standalone generation ratio; `--json-out` writes everything.
@@ -60,9 +65,14 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 
+    from jaxppo.distributed import initialize_from_env
+
+    topo = initialize_from_env()  # several processes under jaxppo.launch / torchrun / SLURM
+    rank = topo.process_id if topo else 0
     from jaxppo.config import load_config
 
-    work = Path(args.workdir)
+    # each process writes its own copy of the (deterministic) model config, tokenizer and data
+    work = Path(args.workdir) / (f"p{rank}" if topo else "")
     cfg0 = load_config(args.config, args.overrides)
     from jaxppo import memory
 
@@ -101,13 +111,16 @@ def main(argv=None) -> int:
             m["memory/device_used_gb"] = (total - free) / 2**30
         m["memory/jax_peak_gb"] = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
         steps.append(m)
-        print(json.dumps({"step": len(steps), **{k: round(v, 4) for k, v in m.items() if k.startswith(("timing_s",
-              "perf", "memory", "response_length/mean"))}}), flush=True)
+        if rank == 0:
+            print(json.dumps({"step": len(steps), **{k: round(v, 4) for k, v in m.items() if k.startswith(("timing_s",
+                  "perf", "memory", "response_length/mean"))}}), flush=True)
 
     # standalone vLLM generation: same prompts and lengths, engine awake, nothing else running
     from jaxppo.rollout import Sampling
 
-    rows = np.arange(n_prompts)
+    from jaxppo import distributed as dist
+
+    rows = np.arange(n_prompts)[dist.share(n_prompts, "prompts")]  # this process's share, as in the loop
     prompts = [trainer.train_ds.input_ids[i].tolist() for i in rows]
     sampling = Sampling(n=cfg.rollout.n, temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
                         seed=1)
@@ -121,10 +134,12 @@ def main(argv=None) -> int:
 
     keep = steps[2:] if len(steps) > 2 else steps
     mean = {k: float(np.mean([s[k] for s in keep])) for k in keep[0]}
-    in_loop_tps = mean["response_length/mean"] * n_prompts * cfg.rollout.n / mean["timing_s/gen"]
+    # the loop's generation throughput per replica, comparable with this replica's standalone figure
+    in_loop_tps = mean["response_length/mean"] * len(rows) * cfg.rollout.n / mean["timing_s/gen"]
     summary = {"config": args.config, "shape": args.shape, "steps": args.steps, "setup_s": setup_s,
                "prompts": n_prompts, "n": cfg.rollout.n, "response_len": cfg.data.max_response_length,
-               "memory_plan": plan, "mean_steps_3_to_n": mean, "gen_in_loop_tokens_per_s": in_loop_tps,
+               "memory_plan": plan, "processes": jax.process_count(), "devices": jax.device_count(),
+               "mesh": dict(trainer.mesh.shape), "mean_steps_3_to_n": mean, "gen_in_loop_tokens_per_s": in_loop_tps,
                "gen_standalone_tokens_per_s": standalone_tps, "gen_in_loop_over_standalone": in_loop_tps / standalone_tps,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "versions": {"jax": jax.__version__, "torch": torch.__version__}}
     try:
@@ -133,6 +148,8 @@ def main(argv=None) -> int:
         summary["versions"]["vllm"] = vllm.__version__
     except ImportError:
         pass
+    if rank != 0:
+        return 0
     print(json.dumps(summary), flush=True)
     print(f"\n{args.shape}: {n_prompts} prompts x {cfg.rollout.n} x {cfg.data.max_response_length} tokens, "
           f"mean of steps 3..{args.steps}")

@@ -3,11 +3,14 @@
     python scripts/bench_sync.py --model qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b
 
 Per model shape (random weights): vLLM starts first (dummy weights), then JAX creates fp32 master
-parameters. The push is `VLLMEngine.update_weights(export_hf_arrays(params, bf16))`: per tensor a layer
-slice + cast on device (a fresh JAX buffer), a DLPack view (no copy), and vLLM's `load_weights` copy.
-The floor is the bf16 model bytes over the measured device-to-device copy bandwidth. Extra memory is
-what JAX holds beyond the parameters while the push runs (sampled at every tensor) plus torch's peak
-above its baseline. Mismatch: |vLLM sampled-token log-prob - jaxppo bf16 log-prob| on the same tokens.
+parameters. Two pushes, both `VLLMEngine.update_weights`: the trainer's, `HFWeights(params, bf16)`,
+which on GPU is the direct copy (`bridge.push.DirectCopy`: DLPack views of the fp32 master buffers,
+cast inside one batched `torch._foreach_copy_` into vLLM's fused parameters), and for comparison a
+plain iterator of the same tensors through vLLM's `load_weights` (per tensor a layer slice + cast in
+JAX, a DLPack view, vLLM's Python weight loader). After both, vLLM's parameters are compared bit for
+bit. The floor is the bf16 model bytes over the measured device-to-device copy bandwidth. Extra memory
+is what JAX holds beyond the parameters while the push runs (sampled at every tensor) plus torch's
+peak above its baseline. Mismatch: |vLLM sampled-token log-prob - jaxppo bf16 log-prob| on the same tokens.
 """
 
 from __future__ import annotations
@@ -47,13 +50,13 @@ def run_model(name: str, args) -> dict:
     import jax.numpy as jnp
     import torch
 
-    from bridge.dlpack import to_torch
+    from bridge.dlpack import hf_views, to_torch
     from bridge.engines.vllm import VLLMEngine
     from jaxppo.config import ActorConfig
     from jaxppo.data import left_pad
     from jaxppo.engine import ActorEngine
     from jaxppo.models import abstract_params, build_model, init_params
-    from jaxppo.models.hf_io import export_hf_arrays
+    from jaxppo.models.hf_io import HFWeights, export_hf_arrays
     from jaxppo.rollout import Sampling, train_sequences
     from jaxppo.sharding import make_mesh, param_shardings
     from scripts.shapes import SHAPES, write_config_dir
@@ -74,27 +77,48 @@ def run_model(name: str, args) -> dict:
                                else x.shape)) * 2 for x in jax.tree.leaves(params))
     bw = copy_bandwidth(torch)
 
-    def push(watch: bool) -> tuple[float, int, int]:
-        """Timed push (watch=False), or an untimed one sampling JAX's live bytes at every tensor."""
+    import bridge.engines.vllm as vllm_engine
+
+    def push(direct: bool, watch: bool = False) -> tuple[float, int, int]:
+        """One push, timed; with `watch`, JAX's live bytes sampled at every tensor (untimed)."""
         base = dev.memory_stats()["bytes_in_use"]
         torch.cuda.reset_peak_memory_stats()
         tbase = torch.cuda.memory_allocated()
         extra = [0]
 
-        def watched():
-            for item in export_hf_arrays(params, jnp.bfloat16):
+        def watched(items):
+            for item in items:
                 extra[0] = max(extra[0], dev.memory_stats()["bytes_in_use"] - base)
                 yield item
 
+        weights = HFWeights(params, jnp.bfloat16)
+        source = weights if direct else iter(weights)  # a plain iterator goes through vLLM's load_weights
+        if watch and direct:
+            vllm_engine.hf_views = lambda p: watched(hf_views(p))
+        elif watch:
+            source = watched(source)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.update_weights(watched() if watch else export_hf_arrays(params, jnp.bfloat16))
+        engine.update_weights(source)
         torch.cuda.synchronize()
-        return time.perf_counter() - t, extra[0], torch.cuda.max_memory_allocated() - tbase
+        took = time.perf_counter() - t
+        vllm_engine.hf_views = hf_views
+        return took, extra[0], torch.cuda.max_memory_allocated() - tbase
 
-    push(False)  # warm-up: compiles the per-shape slice / cast programs
-    push_s = float(np.median([push(False)[0] for _ in range(args.reps)]))
-    _, jax_extra, torch_extra = push(True)
+    results = {}
+    for direct in (False, True):  # load_weights first, then the direct copy (what the trainer uses)
+        push(direct)  # warm-up: compiles the per-shape slice / cast programs, builds the plan
+        results[direct] = (float(np.median([push(direct)[0] for _ in range(args.reps)])),) + push(direct, watch=True)[1:]
+    direct_used = engine._plan is not None
+    # the direct copy leaves vLLM's parameters bit-identical to vLLM's own loader
+    vparams = dict(engine.model().named_parameters())
+    push(True)
+    after_direct = {n: p.detach().clone() for n, p in vparams.items()}
+    push(False)
+    identical = all(torch.equal(after_direct[n], p) for n, p in vparams.items())
+    del after_direct
+    push(True)  # generation and the mismatch below run on the direct copy's weights
+    push_s, jax_extra, torch_extra = results[True]
     # the same tensors copied with plain torch (no JAX, no names): per-tensor launch cost, no vLLM
     views = [(n, to_torch(a)) for n, a in export_hf_arrays(params, jnp.bfloat16)]
     dsts = [torch.empty_like(v) for _, v in views]
@@ -130,7 +154,9 @@ def run_model(name: str, args) -> dict:
     diff = np.abs(lp - sub.logprobs)[m]
     out = {"model": name, "model_gb": model_bytes / 2**30, "push_s": push_s, "copy_bw_gbs": bw / 1e9,
            "floor_s": model_bytes / bw, "push_over_floor": push_s / (model_bytes / bw),
-           "tensors": n_tensors, "torch_per_tensor_copy_s": per_tensor_copy_s,
+           "tensors": n_tensors, "direct_copy": direct_used, "direct_equals_load_weights": identical,
+           "load_weights_push_s": results[False][0], "load_weights_extra_jax_mb": results[False][1] / 2**20,
+           "load_weights_extra_torch_mb": results[False][2] / 2**20, "torch_per_tensor_copy_s": per_tensor_copy_s,
            "extra_jax_mb": jax_extra / 2**20, "extra_torch_mb": torch_extra / 2**20,
            "largest_param_mb": largest / 2**20, "vllm_start_s": start_s, "gen_tokens_per_s": gen_tps,
            "gen_prompts": args.prompts, "gen_len": args.gen_len, "logprob_diff_mean": float(diff.mean()),
@@ -182,10 +208,11 @@ def main(argv=None) -> int:
             rows.append(json.loads(lines[-1][7:]))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'model':14} {'GB':>5} {'push s':>7} {'floor s':>7} {'x floor':>7} {'extra MB (jax/torch)':>21} "
-          f"{'largest MB':>10} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
+          f"{'largest MB':>10} {'load_weights s':>14} {'bit-equal':>9} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
     for r in rows:
-        print(f"{r['model']:14} {r['model_gb']:5.2f} {r['push_s']:7.3f} {r['floor_s']:7.3f} {r['push_over_floor']:7.2f} "
+        print(f"{r['model']:14} {r['model_gb']:5.2f} {r['push_s']:7.4f} {r['floor_s']:7.4f} {r['push_over_floor']:7.2f} "
               f"{r['extra_jax_mb']:10.0f}/{r['extra_torch_mb']:<10.0f} {r['largest_param_mb']:10.0f} "
+              f"{r['load_weights_push_s']:14.4f} {str(r['direct_equals_load_weights']):>9} "
               f"{r['gen_tokens_per_s']:9.0f} {r['logprob_diff_mean']:7.4f}/{r['logprob_diff_max']:.3f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))

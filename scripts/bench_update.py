@@ -4,8 +4,9 @@
 
 JAX: `jaxppo.engine.ActorEngine.update` (PPO clipped loss over the response half, chunked log-probs,
 fp32 master weights + bf16 compute, full remat, scan over layers, cuDNN attention on GPU, AdamW).
-torch: transformers model in bf16, sdpa attention, gradient checkpointing, fused AdamW, the same PPO
-loss on the same response positions (`logits_to_keep`). Random weights of the real shape.
+torch: transformers model in bf16, sdpa attention, gradient checkpointing (`--torch-ckpt 0`: off, to
+compare against JAX without remat), fused AdamW, the same PPO loss on the same response positions
+(`logits_to_keep`). Random weights of the real shape.
 MFU = (6N + 12 L h_attn T) FLOPs per token x tokens/s / measured bf16 matmul peak (both printed; N
 excludes the embedding lookup). Prints a table and one JSON line per configuration.
 """
@@ -65,8 +66,20 @@ def bench_jax(cfg, args, batch_np) -> dict:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     mem = jax.local_devices()[0].memory_stats() or {}
-    return {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(m["pg_loss"]),
-            "peak_mem_gb": mem.get("peak_bytes_in_use", 0) / 2**30}
+    out = {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(m["pg_loss"]),
+           "peak_mem_gb": mem.get("peak_bytes_in_use", 0) / 2**30}
+    if args.profile:  # one more step under the profiler: where the device time goes
+        from scripts.trace_summary import find_traces, load_events, print_summary, summarise
+
+        d = Path(args.profile) / f"{args.current}_{args.remat}"
+        with jax.profiler.trace(str(d), create_perfetto_trace=True):
+            state, m = engine.update(state, batch)
+            jax.block_until_ready(m)
+        traces = find_traces(d)
+        if traces:
+            out["profile"] = summarise(load_events(traces[-1]), top=20)
+            print_summary(out["profile"])
+    return out
 
 
 def bench_torch(cfg, args, batch_np) -> dict:
@@ -79,7 +92,8 @@ def bench_torch(cfg, args, batch_np) -> dict:
     d = write_config_dir(args.current, Path(args.workdir) / args.current)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=torch.bfloat16,
                                              attn_implementation="sdpa").to(device)
-    model.gradient_checkpointing_enable()
+    if args.torch_ckpt:
+        model.gradient_checkpointing_enable()
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
     ids = torch.as_tensor(batch_np["input_ids"], device=device).long()
@@ -125,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (response tokens)")
     p.add_argument("--remat", default="full")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--profile", default=None, help="dir: trace one more JAX step and summarise it")
+    p.add_argument("--torch-ckpt", type=int, default=1, help="torch: gradient checkpointing on (1) / off (0)")
     p.add_argument("--workdir", default="/tmp/jaxppo_bench")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -143,16 +159,17 @@ def main(argv=None) -> int:
             results["torch"] = bench_torch(cfg, args, batch)
         for fw, r in results.items():
             tps = tokens / r["step_s"]
-            row = {"model": name, "framework": fw, "batch": args.batch, "seq": args.seq, "tokens_per_s": tps,
+            remat = args.remat if fw == "jax" else ("checkpointing" if args.torch_ckpt else "none")
+            row = {"model": name, "framework": fw, "remat": remat, "batch": args.batch, "seq": args.seq, "tokens_per_s": tps,
                    "mfu": fpt * tps / (peak * jax.device_count()), "flops_per_token": fpt,
                    "peak_tflops": peak / 1e12, "device": jax.devices()[0].device_kind, **r}
             rows.append(row)
             print(json.dumps(row))
         if "torch" in results:
             print(f"{name}: jax/torch tokens/s = {results['torch']['step_s'] / results['jax']['step_s']:.2f}x")
-    print(f"\n{'model':14} {'fw':6} {'step_s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8}")
+    print(f"\n{'model':14} {'fw':6} {'remat':14} {'step_s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8}")
     for r in rows:
-        print(f"{r['model']:14} {r['framework']:6} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%} "
+        print(f"{r['model']:14} {r['framework']:6} {r['remat']:14} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%} "
               f"{r['peak_mem_gb']:8.1f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))

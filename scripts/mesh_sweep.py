@@ -91,6 +91,17 @@ def run_one(args) -> dict:
             jax.block_until_ready(fn())
             ts.append(time.perf_counter() - t0)
         times[name] = float(np.median(ts))
+    profile = None
+    if args.profile:  # one more of each phase under the profiler: where the device time goes
+        from scripts.trace_summary import find_traces, load_events, summarise
+
+        out = Path(args.profile) / args.one.replace("=", "").replace(",", "_")
+        with jax.profiler.trace(str(out), create_perfetto_trace=True):
+            for name, fn in phases.items():
+                with jax.profiler.TraceAnnotation(name):
+                    jax.block_until_ready(fn())
+        traces = find_traces(out)
+        profile = summarise(load_events(traces[-1]), top=12) if traces else None
     tokens = args.batch * args.seq
     step = sum(times.values())
     peak = measure_matmul_peak()
@@ -100,7 +111,7 @@ def run_one(args) -> dict:
             "update_tokens_per_s": tokens / (times["update_actor"] + times["update_critic"]),
             "mfu_actor": train_flops_per_token(cfg, args.seq) * tokens / times["update_actor"] / (peak * n_dev),
             "peak_mem_gb_per_device": mem / 2**30, "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__}
+            "jax": jax.__version__, **({"profile": profile} if profile else {})}
 
 
 def main(argv=None) -> int:
@@ -112,6 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per mini-batch")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--remat", default="full")
+    p.add_argument("--profile", default=None, help="dir: trace one more of each phase per mesh, summarise it")
     p.add_argument("--json-out", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one mesh, print JSON
     args = p.parse_args(argv)
@@ -122,7 +134,7 @@ def main(argv=None) -> int:
     for mesh in args.meshes.split(";"):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mesh, "--model", args.model, "--batch",
                str(args.batch), "--seq", str(args.seq), "--micro-batches", str(args.micro_batches), "--steps",
-               str(args.steps), "--remat", args.remat]
+               str(args.steps), "--remat", args.remat] + (["--profile", args.profile] if args.profile else [])
         res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
         if res.returncode != 0 or not line:
@@ -142,6 +154,13 @@ def main(argv=None) -> int:
         print(f"{r['mesh']:18} {r['devices']:3d} {r['step_s']:7.3f} {r['old_log_prob_s']:7.3f} {r['values_s']:7.3f} "
               f"{r['update_critic_s']:8.3f} {r['update_actor_s']:8.3f} {r['tokens_per_s']:9.0f} "
               f"{r['update_tokens_per_s']:10.0f} {rel:8.2f} {r['mfu_actor']:6.1%} {r['peak_mem_gb_per_device']:8.1f}")
+    if args.profile:
+        from scripts.trace_summary import print_summary
+
+        for r in rows:
+            if r.get("profile"):
+                print(f"\n== {r['mesh']}: one of each phase")
+                print_summary(r["profile"])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     return 0

@@ -112,3 +112,11 @@ def test_mesh_sweep_prints_one_row_per_mesh(tmp_path):
     for r in rows:
         assert r["step_s"] > 0 and r["update_tokens_per_s"] > 0 and 0 < r["mfu_actor"] < 1
     assert "vs 1 dev" in res.stdout
+
+
+def test_launcher_puts_each_process_gpu_first():
+    from jaxppo.launch import gpu_env
+
+    envs = [gpu_env(i, ["2", "3", "5"]) for i in range(3)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2,3,5", "3,5,2", "5,2,3"]
+    assert all(e["JAXPPO_LOCAL_DEVICE_IDS"] == "0" for e in envs)

