@@ -15,9 +15,13 @@ the engine's own loader.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
+from flax import traverse_util
+
+from bridge.dlpack import _whole_here, hf_views
+from jaxppo.models.hf_io import hf_name, is_stacked
 
 # HF projection -> (fused parameter, position of the part along the output dimension)
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -64,6 +68,48 @@ class DirectCopy:
         missing = sorted(set(params) - set(groups))
         if missing:
             raise PlanError(f"no HF tensor fills the engine's {missing[:3]}")
+
+    def _order(self, flat: dict) -> tuple[list, list[torch.Tensor]]:
+        """Parameter paths in tree order and the destination of each HF tensor they expand to, in the
+        same order (built once per tree structure)."""
+        key = tuple((path, v.shape[0] if is_stacked(path) else None) for path, v in flat.items())
+        if getattr(self, "_key", None) != key:
+            names = [hf_name(p, i) for p, n in key for i in (range(n) if n is not None else (None,))]
+            missing = sorted(set(self.views) - set(names))
+            if missing or len(names) != len(self.views):
+                raise PlanError(f"the parameters do not match the plan (missing {missing[:3]})")
+            self._key, self._dsts = key, [self.views[n] for n in names]
+        return self._key, self._dsts
+
+    def sources(self, params: Any) -> list[torch.Tensor] | None:
+        """Torch views of every HF tensor, in plan order, straight from the parameters' buffers (a
+        stacked parameter: one DLPack view, unbound into its layers); None if a parameter is sharded
+        over several devices (then `copy(hf_views(...))` gathers it layer by layer)."""
+        flat = traverse_util.flatten_dict(params)
+        self._order(flat)
+        wholes = [_whole_here(v) for v in flat.values()]
+        if any(w is None for w in wholes):
+            return None
+        import jax
+
+        jax.block_until_ready(wholes)  # JAX dispatch is asynchronous
+        srcs: list[torch.Tensor] = []
+        for path, w in zip(flat, wholes):
+            t = torch.from_dlpack(w)
+            if is_stacked(path):
+                srcs.extend(t.unbind(0))
+            else:
+                srcs.append(t)
+        return srcs
+
+    def push(self, params: Any) -> int:
+        """Copy a parameter tree (Flax, HF layout) into the engine's parameters; returns the tensor count.
+        Returns once the copies are enqueued: synchronise before the source buffers can be donated."""
+        srcs = self.sources(params)
+        if srcs is None:
+            return self.copy(hf_views(params))
+        torch._foreach_copy_(self._dsts, srcs)
+        return len(srcs)
 
     def copy(self, named: Iterable[tuple[str, torch.Tensor, bool]]) -> int:
         """Copy (name, source, borrowed) into place with casting; returns the number of tensors.

@@ -50,7 +50,7 @@ def run_model(name: str, args) -> dict:
     import jax.numpy as jnp
     import torch
 
-    from bridge.dlpack import hf_views, to_torch
+    from bridge.dlpack import to_torch
     from bridge.engines.vllm import VLLMEngine
     from jaxppo.config import ActorConfig
     from jaxppo.data import left_pad
@@ -77,8 +77,6 @@ def run_model(name: str, args) -> dict:
                                else x.shape)) * 2 for x in jax.tree.leaves(params))
     bw = copy_bandwidth(torch)
 
-    import bridge.engines.vllm as vllm_engine
-
     def push(direct: bool, watch: bool = False) -> tuple[float, int, int]:
         """One push, timed; with `watch`, JAX's live bytes sampled at every tensor (untimed)."""
         base = dev.memory_stats()["bytes_in_use"]
@@ -86,15 +84,17 @@ def run_model(name: str, args) -> dict:
         tbase = torch.cuda.memory_allocated()
         extra = [0]
 
-        def watched(items):
+        def watched(items):  # the load_weights path: JAX's live bytes at every tensor
             for item in items:
                 extra[0] = max(extra[0], dev.memory_stats()["bytes_in_use"] - base)
                 yield item
 
         weights = HFWeights(params, jnp.bfloat16)
         source = weights if direct else iter(weights)  # a plain iterator goes through vLLM's load_weights
-        if watch and direct:
-            vllm_engine.hf_views = lambda p: watched(hf_views(p))
+        if watch and direct:  # the direct push allocates only where it builds its sources: look there
+            srcs = engine.direct_plan(weights).sources(params)
+            extra[0] = dev.memory_stats()["bytes_in_use"] - base
+            del srcs
         elif watch:
             source = watched(source)
         torch.cuda.synchronize()
@@ -102,14 +102,30 @@ def run_model(name: str, args) -> dict:
         engine.update_weights(source)
         torch.cuda.synchronize()
         took = time.perf_counter() - t
-        vllm_engine.hf_views = hf_views
         return took, extra[0], torch.cuda.max_memory_allocated() - tbase
+
+    def breakdown() -> dict:
+        """The direct push in parts: building the source views (host), the batched copy alone (device)."""
+        plan, t_src, t_copy = engine.direct_plan(HFWeights(params)), [], []
+        for _ in range(args.reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            srcs = plan.sources(params)
+            t_src.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            torch._foreach_copy_(plan._dsts, srcs)
+            torch.cuda.synchronize()
+            t_copy.append(time.perf_counter() - t)
+            del srcs
+        return {"direct_sources_s": float(np.median(t_src)), "direct_foreach_copy_s": float(np.median(t_copy))}
 
     results = {}
     for direct in (False, True):  # load_weights first, then the direct copy (what the trainer uses)
         push(direct)  # warm-up: compiles the per-shape slice / cast programs, builds the plan
         results[direct] = (float(np.median([push(direct)[0] for _ in range(args.reps)])),) + push(direct, watch=True)[1:]
     direct_used = engine._plan is not None
+    parts = breakdown() if direct_used else {}
     # the direct copy leaves vLLM's parameters bit-identical to vLLM's own loader
     vparams = dict(engine.model().named_parameters())
     push(True)
@@ -154,7 +170,7 @@ def run_model(name: str, args) -> dict:
     diff = np.abs(lp - sub.logprobs)[m]
     out = {"model": name, "model_gb": model_bytes / 2**30, "push_s": push_s, "copy_bw_gbs": bw / 1e9,
            "floor_s": model_bytes / bw, "push_over_floor": push_s / (model_bytes / bw),
-           "tensors": n_tensors, "direct_copy": direct_used, "direct_equals_load_weights": identical,
+           "tensors": n_tensors, "direct_copy": direct_used, **parts, "direct_equals_load_weights": identical,
            "load_weights_push_s": results[False][0], "load_weights_extra_jax_mb": results[False][1] / 2**20,
            "load_weights_extra_torch_mb": results[False][2] / 2**20, "torch_per_tensor_copy_s": per_tensor_copy_s,
            "extra_jax_mb": jax_extra / 2**20, "extra_torch_mb": torch_extra / 2**20,
@@ -208,10 +224,11 @@ def main(argv=None) -> int:
             rows.append(json.loads(lines[-1][7:]))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'model':14} {'GB':>5} {'push s':>7} {'floor s':>7} {'x floor':>7} {'extra MB (jax/torch)':>21} "
-          f"{'largest MB':>10} {'load_weights s':>14} {'bit-equal':>9} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
+          f"{'largest MB':>10} {'views/copy ms':>13} {'load_weights s':>14} {'bit-equal':>9} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
     for r in rows:
         print(f"{r['model']:14} {r['model_gb']:5.2f} {r['push_s']:7.4f} {r['floor_s']:7.4f} {r['push_over_floor']:7.2f} "
               f"{r['extra_jax_mb']:10.0f}/{r['extra_torch_mb']:<10.0f} {r['largest_param_mb']:10.0f} "
+              f"{1e3 * r.get('direct_sources_s', 0):6.2f}/{1e3 * r.get('direct_foreach_copy_s', 0):<6.2f} "
               f"{r['load_weights_push_s']:14.4f} {str(r['direct_equals_load_weights']):>9} "
               f"{r['gen_tokens_per_s']:9.0f} {r['logprob_diff_mean']:7.4f}/{r['logprob_diff_max']:.3f}")
     if args.json_out:

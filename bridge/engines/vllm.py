@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
+from flax import traverse_util
 
-from bridge.dlpack import hf_views, to_torch
+from bridge.dlpack import to_torch
 from bridge.push import DirectCopy, PlanError
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.rollout import Rollouts, Sampling, pack_responses
@@ -91,12 +92,11 @@ class VLLMEngine:
     def direct_plan(self, weights: HFWeights) -> DirectCopy | None:
         """The direct-copy plan for these weights' names and shapes (built once), or None when vLLM's
         parameters have a layout it does not know (then load_weights does the push)."""
-        shapes = weights.shapes()
-        key = tuple(sorted(shapes.items()))
+        key = tuple((path, v.shape) for path, v in traverse_util.flatten_dict(weights.params).items())
         if self._plan_key != key:
             self._plan, self._plan_key = None, key
             try:
-                self._plan = DirectCopy(dict(self.model().named_parameters()), shapes)
+                self._plan = DirectCopy(dict(self.model().named_parameters()), weights.shapes())
             except PlanError as e:
                 log.warning("vLLM weight push: direct copy not possible (%s); using load_weights", e)
                 self.direct = False
@@ -105,7 +105,7 @@ class VLLMEngine:
     def update_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
         if self.direct and isinstance(named_arrays, HFWeights) and (plan := self.direct_plan(named_arrays)):
             with torch.no_grad():
-                plan.copy(hf_views(named_arrays.params))
+                plan.push(named_arrays.params)
             torch.cuda.current_stream().synchronize()  # the views alias buffers the next update donates
         else:
             tensors = ((name, to_torch(array)) for name, array in named_arrays)

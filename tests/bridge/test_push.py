@@ -48,7 +48,7 @@ def check(params, ref_params):
     assert "model.layers.1.self_attn.qkv_proj.bias" in ref and "model.layers.0.mlp.gate_up_proj.weight" in ref
     dst = destination(ref)
     plan = DirectCopy(dst, HFWeights(params).shapes())
-    assert plan.copy(hf_views(params)) == len(arrays)
+    assert plan.push(params) == len(arrays)  # borrowed views in one batch, or gathered layer by layer
     for name, want in ref.items():  # every row written (no NaN left), bit-equal to JAX's bf16 cast
         np.testing.assert_array_equal(dst[name].float().numpy(), want, err_msg=name)
 
@@ -64,12 +64,19 @@ def test_direct_copy_matches_fused_layout_zero_copy_sources(tiny_qwen):
         assert by_name[f"model.layers.{i}.self_attn.q_proj.weight"].data_ptr() == jax_pointer(q) + i * layer_bytes
     assert by_name["model.embed_tokens.weight"].data_ptr() == jax_pointer(params["model"]["embed_tokens"]["weight"])
     check(params, params)
+    ref = fused_reference({n: np.asarray(a) for n, a in export_hf_arrays(params, jnp.float32)})
+    plan = DirectCopy(destination(ref), HFWeights(params).shapes())
+    srcs = plan.sources(params)  # the batched push reads the same buffers, no intermediate copies
+    assert sorted(t.data_ptr() for t in srcs) == sorted(t.data_ptr() for t in by_name.values())
 
 
 def test_direct_copy_from_sharded_parameters(tiny_qwen):
     _, params, _ = load_model(tiny_qwen, mesh=make_mesh({"fsdp": 4, "tensor": 2}))
     _, ref, _ = load_model(tiny_qwen)
     assert not all(borrowed for _, _, borrowed in hf_views(params))  # sharded ones are gathered per layer
+    plan = DirectCopy(destination(fused_reference({n: np.asarray(a) for n, a in export_hf_arrays(ref)})),
+                      HFWeights(params).shapes())
+    assert plan.sources(params) is None
     check(params, ref)
 
 
