@@ -81,10 +81,7 @@ class DirectCopy:
             self._key, self._dsts = key, [self.views[n] for n in names]
         return self._key, self._dsts
 
-    def sources(self, params: Any) -> list[torch.Tensor] | None:
-        """Torch views of every HF tensor, in plan order, straight from the parameters' buffers (a
-        stacked parameter: one DLPack view, unbound into its layers); None if a parameter is sharded
-        over several devices (then `copy(hf_views(...))` gathers it layer by layer)."""
+    def _wholes(self, params: Any) -> tuple[dict, list] | None:
         flat = traverse_util.flatten_dict(params)
         self._order(flat)
         wholes = [_whole_here(v) for v in flat.values()]
@@ -93,23 +90,36 @@ class DirectCopy:
         import jax
 
         jax.block_until_ready(wholes)  # JAX dispatch is asynchronous
-        srcs: list[torch.Tensor] = []
-        for path, w in zip(flat, wholes):
-            t = torch.from_dlpack(w)
-            if is_stacked(path):
-                srcs.extend(t.unbind(0))
-            else:
-                srcs.append(t)
-        return srcs
+        return flat, wholes
+
+    @staticmethod
+    def _views(path: tuple, whole) -> list[torch.Tensor]:
+        t = torch.from_dlpack(whole)
+        return list(t.unbind(0)) if is_stacked(path) else [t]
+
+    def sources(self, params: Any) -> list[torch.Tensor] | None:
+        """Torch views of every HF tensor, in plan order, straight from the parameters' buffers (a
+        stacked parameter: one DLPack view, unbound into its layers); None if a parameter is sharded
+        over several devices (then `copy(hf_views(...))` gathers it layer by layer)."""
+        found = self._wholes(params)
+        if found is None:
+            return None
+        return [v for path, w in zip(*found) for v in self._views(path, w)]
 
     def push(self, params: Any) -> int:
         """Copy a parameter tree (Flax, HF layout) into the engine's parameters; returns the tensor count.
-        Returns once the copies are enqueued: synchronise before the source buffers can be donated."""
-        srcs = self.sources(params)
-        if srcs is None:
+        One batched copy per parameter, issued as soon as its views exist, so the device copies while
+        the host prepares the next. Returns once the copies are enqueued: synchronise before the
+        source buffers can be donated."""
+        found = self._wholes(params)
+        if found is None:
             return self.copy(hf_views(params))
-        torch._foreach_copy_(self._dsts, srcs)
-        return len(srcs)
+        done = 0
+        for path, w in zip(*found):
+            srcs = self._views(path, w)
+            torch._foreach_copy_(self._dsts[done:done + len(srcs)], srcs)
+            done += len(srcs)
+        return done
 
     def copy(self, named: Iterable[tuple[str, torch.Tensor, bool]]) -> int:
         """Copy (name, source, borrowed) into place with casting; returns the number of tensors.

@@ -229,11 +229,17 @@ class _Base:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def scan_grads(params, micro, num_tokens, num_seqs):
+            # the first micro-batch's gradients start the sum (no zero-filled accumulator to write and add)
+            (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), num_tokens, num_seqs)
+            if jax.tree.leaves(micro)[0].shape[0] == 1:
+                return grads, jax.tree.map(lambda x: x[None], (loss, metrics))
+
             def body(acc, mb):
                 (loss, metrics), grads = grad_fn(params, mb, num_tokens, num_seqs)
                 return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
-            return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+            grads, rest = jax.lax.scan(body, grads, jax.tree.map(lambda x: x[1:], micro))
+            return grads, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), (loss, metrics), rest)
 
         if self.local_accumulation:
             # pure data parallelism: each device sums the gradients of its own rows over all micro-batches,
@@ -251,8 +257,6 @@ class _Base:
         else:
             grads, (losses, metrics) = scan_grads(state.params, micro, num_tokens, num_seqs)
         grad_norm = optax.global_norm(grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         metrics = jax.tree.map(jnp.sum, metrics)
         loss = jnp.sum(losses)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -260,8 +264,14 @@ class _Base:
         for name, (kind, bound) in self.guards.items():
             v = grad_norm if name == "grad_norm" else metrics[name]
             ok &= (v <= bound) if kind == "max" else (v >= bound)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+
+        def apply(_):
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state
+
+        # a branch, not a select over the new and old trees: a healthy step reads and writes the
+        # parameters and optimizer state once
+        params, opt_state = jax.lax.cond(ok, apply, lambda _: (state.params, state.opt_state), None)
         metrics.update(loss=loss, grad_norm=grad_norm, lr=self.schedule(state.step),
                        skipped=1.0 - ok.astype(jnp.float32), nonfinite=1.0 - finite.astype(jnp.float32))
         return TrainState(params, opt_state, state.step + ok.astype(state.step.dtype)), metrics

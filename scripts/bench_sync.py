@@ -8,7 +8,8 @@ which on GPU is the direct copy (`bridge.push.DirectCopy`: DLPack views of the f
 cast inside one batched `torch._foreach_copy_` into vLLM's fused parameters), and for comparison a
 plain iterator of the same tensors through vLLM's `load_weights` (per tensor a layer slice + cast in
 JAX, a DLPack view, vLLM's Python weight loader). After both, vLLM's parameters are compared bit for
-bit. The floor is the bf16 model bytes over the measured device-to-device copy bandwidth. Extra memory
+bit. Push time is `VLLMEngine.push_weights`; `update_weights` adds `reset_prefix_cache()`, timed
+apart (it is the same for any push). The floor is the bf16 model bytes over the measured device-to-device copy bandwidth. Extra memory
 is what JAX holds beyond the parameters while the push runs (sampled at every tensor) plus torch's
 peak above its baseline. Mismatch: |vLLM sampled-token log-prob - jaxppo bf16 log-prob| on the same tokens.
 """
@@ -99,7 +100,7 @@ def run_model(name: str, args) -> dict:
             source = watched(source)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.update_weights(source)
+        engine.push_weights(source)  # update_weights = push_weights + reset_prefix_cache (timed below)
         torch.cuda.synchronize()
         took = time.perf_counter() - t
         return took, extra[0], torch.cuda.max_memory_allocated() - tbase
@@ -126,6 +127,12 @@ def run_model(name: str, args) -> dict:
         results[direct] = (float(np.median([push(direct)[0] for _ in range(args.reps)])),) + push(direct, watch=True)[1:]
     direct_used = engine._plan is not None
     parts = breakdown() if direct_used else {}
+    t_reset = []
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        engine.llm.reset_prefix_cache()
+        t_reset.append(time.perf_counter() - t)
+    parts["reset_prefix_cache_s"] = float(np.median(t_reset))
     # the direct copy leaves vLLM's parameters bit-identical to vLLM's own loader
     vparams = dict(engine.model().named_parameters())
     push(True)
@@ -150,6 +157,7 @@ def run_model(name: str, args) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.prompts)]
     sampling = Sampling(n=1, temperature=1.0, max_tokens=args.gen_len, seed=0)
+    engine.update_weights(HFWeights(params, jnp.bfloat16))
     engine.generate(prompts[:8], sampling)
     t = time.perf_counter()
     ro = engine.generate(prompts, sampling)
@@ -224,11 +232,12 @@ def main(argv=None) -> int:
             rows.append(json.loads(lines[-1][7:]))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'model':14} {'GB':>5} {'push s':>7} {'floor s':>7} {'x floor':>7} {'extra MB (jax/torch)':>21} "
-          f"{'largest MB':>10} {'views/copy ms':>13} {'load_weights s':>14} {'bit-equal':>9} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
+          f"{'largest MB':>10} {'views/copy ms':>13} {'reset ms':>8} {'load_weights s':>14} {'bit-equal':>9} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
     for r in rows:
         print(f"{r['model']:14} {r['model_gb']:5.2f} {r['push_s']:7.4f} {r['floor_s']:7.4f} {r['push_over_floor']:7.2f} "
               f"{r['extra_jax_mb']:10.0f}/{r['extra_torch_mb']:<10.0f} {r['largest_param_mb']:10.0f} "
               f"{1e3 * r.get('direct_sources_s', 0):6.2f}/{1e3 * r.get('direct_foreach_copy_s', 0):<6.2f} "
+              f"{1e3 * r.get('reset_prefix_cache_s', 0):8.2f} "
               f"{r['load_weights_push_s']:14.4f} {str(r['direct_equals_load_weights']):>9} "
               f"{r['gen_tokens_per_s']:9.0f} {r['logprob_diff_mean']:7.4f}/{r['logprob_diff_max']:.3f}")
     if args.json_out:

@@ -129,6 +129,24 @@ def bench_torch(cfg, args, batch_np) -> dict:
     return {"step_s": float(np.median(times)), "peak_mem_gb": peak}
 
 
+def in_subprocess(fw: str, name: str, args) -> dict:
+    """One framework in its own process: each allocator keeps the memory it grew into, so running
+    both in one process would leave the second with what the first did not hold."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--only", fw, "--model", name, "--batch", str(args.batch), "--seq",
+           str(args.seq), "--steps", str(args.steps), "--micro", str(args.micro), "--chunk", str(args.chunk),
+           "--remat", args.remat, "--torch-ckpt", str(args.torch_ckpt), "--workdir", args.workdir]
+    cmd += ["--profile", args.profile] if args.profile else []
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    lines = res.stdout.splitlines()
+    print("\n".join(x for x in lines if not x.startswith(("RESULT ", "device:"))), flush=True)
+    found = [x for x in lines if x.startswith("RESULT ")]
+    if res.returncode != 0 or not found:
+        raise RuntimeError(f"{fw} run failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+    return json.loads(found[-1][len("RESULT "):])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-0.5b")
@@ -139,14 +157,16 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (response tokens)")
     p.add_argument("--remat", default="full")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--only", choices=["jax", "torch"], default=None, help=argparse.SUPPRESS)  # internal
     p.add_argument("--profile", default=None, help="dir: trace one more JAX step and summarise it")
     p.add_argument("--torch-ckpt", type=int, default=1, help="torch: gradient checkpointing on (1) / off (0)")
     p.add_argument("--workdir", default="/tmp/jaxppo_bench")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     peak = measure_matmul_peak()
-    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
-          f"measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s per device")
+    if args.only is None:
+        print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
+              f"measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s per device")
     rows = []
     for name in args.model.split(","):
         args.current = name
@@ -154,9 +174,11 @@ def main(argv=None) -> int:
         batch = synthetic_batch(cfg, args.batch, args.seq, args.seq // 2)
         tokens = args.batch * args.seq
         fpt = train_flops_per_token(cfg, args.seq)
-        results = {"jax": bench_jax(cfg, args, batch)}
-        if not args.no_torch:
-            results["torch"] = bench_torch(cfg, args, batch)
+        if args.only:
+            run = bench_jax if args.only == "jax" else bench_torch
+            print("RESULT " + json.dumps(run(cfg, args, batch)), flush=True)
+            return 0
+        results = {fw: in_subprocess(fw, name, args) for fw in (["jax"] if args.no_torch else ["jax", "torch"])}
         for fw, r in results.items():
             tps = tokens / r["step_s"]
             remat = args.remat if fw == "jax" else ("checkpointing" if args.torch_ckpt else "none")
