@@ -68,12 +68,14 @@ class DirectCopy:
         missing = sorted(set(params) - set(groups))
         if missing:
             raise PlanError(f"no HF tensor fills the engine's {missing[:3]}")
+        self._key: tuple | None = None
+        self._dsts: list[torch.Tensor] = []
 
     def _order(self, flat: dict) -> tuple[list, list[torch.Tensor]]:
         """Parameter paths in tree order and the destination of each HF tensor they expand to, in the
         same order (built once per tree structure)."""
         key = tuple((path, v.shape[0] if is_stacked(path) else None) for path, v in flat.items())
-        if getattr(self, "_key", None) != key:
+        if self._key != key:
             names = [hf_name(p, i) for p, n in key for i in (range(n) if n is not None else (None,))]
             missing = sorted(set(self.views) - set(names))
             if missing or len(names) != len(self.views):

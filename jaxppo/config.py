@@ -36,6 +36,7 @@ class DataConfig:
     synthetic_num_operands: int = 2  # numbers per problem
     synthetic_max_digits: int = 1  # digits per operand
     synthetic_operators: str = "+-"  # drawn from + - *
+    synthetic_instruction: bool = True  # append GSM8K's "Let's think step by step ..." instruction
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ def prepare_data(cfg: Config, run_dir: Path):
     train_files, val_files = list(d.train_files), list(d.val_files)
     tok_dir = d.tokenizer or cfg.model.path
     if not train_files:
-        task = synthetic.ArithmeticTask(d.synthetic_num_operands, d.synthetic_max_digits, d.synthetic_operators)
+        task = synthetic.ArithmeticTask(d.synthetic_num_operands, d.synthetic_max_digits, d.synthetic_operators,
+                                       instruction=d.synthetic_instruction)
         data_dir = run_dir / "data"
         if is_main() and not (data_dir / "train.parquet").is_file():
             synthetic.write_dataset(data_dir, task, train_size=d.synthetic_train_size, val_size=d.synthetic_val_size,

@@ -104,3 +104,28 @@ def test_two_processes_match_one(tiny_qwen, reference, tmp_path):
     for rank in range(2):
         with open(tmp_path / f"out{rank}.pkl", "rb") as f:
             assert_same(pickle.load(f), reference)
+
+
+def test_data_parallel_gradients_reduced_once_per_mini_batch(tiny_qwen):
+    """Pure data parallelism: no all-reduce inside the micro-batch loop, only after it (compiled HLO)."""
+    import re
+
+    from jaxppo.config import ActorConfig
+    from jaxppo.engine import ActorEngine
+
+    module, params, cfg = load_model(tiny_qwen, mesh=make_mesh({"data": 8}))
+    mesh = make_mesh({"data": 8})
+    engine = ActorEngine(module, mesh, ActorConfig(ppo_micro_batch_size_per_device=1, logprob_chunk_size=8,
+                                                   optim=OptimConfig(lr=1e-3)), R_LEN)
+    assert engine.local_accumulation
+    parts = [make_batch(cfg.vocab_size, seed=i) for i in range(4)]
+    batch = engine.shard_batch({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})  # 4 micro-batches
+    state = engine.init_state(params)
+    engine.update(state, batch)
+    with engine._ctx():
+        hlo = engine._update_jit.lower(engine.init_state(params), batch).compile().as_text()
+    computations = re.split(r"\n(?=\S)", hlo)
+    entry = next(c for c in computations if c.startswith("ENTRY"))
+    inner = [c.split("\n")[0][:80] for c in computations if not c.startswith("ENTRY") and "all-reduce" in c]
+    assert " while(" in entry  # the micro-batch scan is a loop in the compiled program
+    assert "all-reduce" in entry and not inner, inner
