@@ -1,6 +1,6 @@
 """The embedded default learns: its validation score rises from the first measurement (taken after the
-logged warm start). The full default (README) runs 80 PPO steps; here half of them must lift the score
-by a quarter (observed on CPU with this config: 0.32 -> 0.48 at step 40, 0.54 at step 50)."""
+logged warm start). The full default (README) runs 80 PPO steps and ends at 2.9x its first score; here
+half of them must lift it by half (the full run on CPU with this config: 0.19 -> 0.43 at step 40)."""
 
 import pytest
 
@@ -19,4 +19,4 @@ def test_default_learns_in_half_its_steps(tmp_path):
     metrics = read_metrics(run)
     first, last = metrics[0]["val/score"], metrics[steps]["val/score"]
     assert first > 0.1, first  # the warm start taught the answer format
-    assert last >= 1.25 * first and last >= first + 0.05, (first, last)
+    assert last >= 1.5 * first and last >= first + 0.1, (first, last)
