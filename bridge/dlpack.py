@@ -29,12 +29,17 @@ def _whole_here(x: jax.Array) -> jax.Array | None:
     return None
 
 
+def layer_views(path: tuple, whole: jax.Array) -> list[torch.Tensor]:
+    """Torch views of a parameter whole on one device: its layers when stacked, else itself."""
+    t = torch.from_dlpack(whole)
+    return list(t.unbind(0)) if is_stacked(path) else [t]
+
+
 def _local_single_device(x: jax.Array) -> jax.Array:
     """`x` whole on one local device: itself when it already is, else gathered (replicated) first."""
-    if len(x.sharding.device_set) == 1:
-        return x
-    if x.is_fully_replicated:
-        return x.addressable_shards[0].data
+    whole = _whole_here(x)
+    if whole is not None:
+        return whole
     mesh = getattr(x.sharding, "mesh", None)
     if mesh is None:
         return jax.device_put(x, jax.local_devices()[0])
@@ -74,11 +79,8 @@ def hf_views(params: Any) -> Iterator[tuple[str, torch.Tensor, bool]]:
     for path, value in flat.items():
         whole = _whole_here(value)
         if whole is not None:
-            t = torch.from_dlpack(whole)
-            if is_stacked(path):
-                yield from ((hf_name(path, i), layer, True) for i, layer in enumerate(t.unbind(0)))
-            else:
-                yield hf_name(path), t, True
+            views = layer_views(path, whole)
+            yield from ((hf_name(path, i if is_stacked(path) else None), v, True) for i, v in enumerate(views))
         elif is_stacked(path):
             for i in range(value.shape[0]):
                 yield hf_name(path, i), to_torch(_export_layer(value, i, None)), False

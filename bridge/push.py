@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Iterable
 
+import jax
 import torch
 from flax import traverse_util
 
-from bridge.dlpack import _whole_here, hf_views
+from bridge.dlpack import _whole_here, hf_views, layer_views
 from jaxppo.models.hf_io import hf_name, is_stacked
 
 # HF projection -> (fused parameter, position of the part along the output dimension)
@@ -71,9 +72,9 @@ class DirectCopy:
         self._key: tuple | None = None
         self._dsts: list[torch.Tensor] = []
 
-    def _order(self, flat: dict) -> tuple[list, list[torch.Tensor]]:
-        """Parameter paths in tree order and the destination of each HF tensor they expand to, in the
-        same order (built once per tree structure)."""
+    def _order(self, flat: dict) -> None:
+        """The destination of each HF tensor the parameter paths expand to, in tree order (`_dsts`,
+        built once per tree structure)."""
         key = tuple((path, v.shape[0] if is_stacked(path) else None) for path, v in flat.items())
         if self._key != key:
             names = [hf_name(p, i) for p, n in key for i in (range(n) if n is not None else (None,))]
@@ -81,7 +82,6 @@ class DirectCopy:
             if missing or len(names) != len(self.views):
                 raise PlanError(f"the parameters do not match the plan (missing {missing[:3]})")
             self._key, self._dsts = key, [self.views[n] for n in names]
-        return self._key, self._dsts
 
     def _wholes(self, params: Any) -> tuple[dict, list] | None:
         flat = traverse_util.flatten_dict(params)
@@ -89,15 +89,8 @@ class DirectCopy:
         wholes = [_whole_here(v) for v in flat.values()]
         if any(w is None for w in wholes):
             return None
-        import jax
-
         jax.block_until_ready(wholes)  # JAX dispatch is asynchronous
         return flat, wholes
-
-    @staticmethod
-    def _views(path: tuple, whole) -> list[torch.Tensor]:
-        t = torch.from_dlpack(whole)
-        return list(t.unbind(0)) if is_stacked(path) else [t]
 
     def sources(self, params: Any) -> list[torch.Tensor] | None:
         """Torch views of every HF tensor, in plan order, straight from the parameters' buffers (a
@@ -106,7 +99,7 @@ class DirectCopy:
         found = self._wholes(params)
         if found is None:
             return None
-        return [v for path, w in zip(*found) for v in self._views(path, w)]
+        return [v for path, w in zip(*found) for v in layer_views(path, w)]
 
     def push(self, params: Any) -> int:
         """Copy a parameter tree (Flax, HF layout) into the engine's parameters; returns the tensor count.
@@ -118,7 +111,7 @@ class DirectCopy:
             return self.copy(hf_views(params))
         done = 0
         for path, w in zip(*found):
-            srcs = self._views(path, w)
+            srcs = layer_views(path, w)
             torch._foreach_copy_(self._dsts[done:done + len(srcs)], srcs)
             done += len(srcs)
         return done
