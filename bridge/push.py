@@ -4,8 +4,10 @@ vLLM's `load_weights` walks the checkpoint tensor by tensor through Python weigh
 each, whatever the size), and the trainer had to make a bf16 copy of every tensor first. `DirectCopy`
 instead maps each HF tensor once to its destination rows in the engine's parameters (vLLM fuses
 q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, in that order, along the output dimension) and
-then pushes all of them in one `torch._foreach_copy_`: the fp32 -> bf16 cast happens inside the copy
-kernels, reading the train state's buffers through DLPack views, so nothing is allocated.
+then pushes them one parameter at a time: the fp32 -> bf16 cast happens inside the copy, reading the
+train state's buffers through DLPack views, so nothing is allocated. On a GPU the copy is one Triton
+launch per parameter (`bridge/cast_copy.py`, all its layers at once); elsewhere, or for other dtypes,
+one batched `torch._foreach_copy_`.
 
 The plan is built for one tensor-parallel rank holding whole parameters; any other layout (a shard,
 a quantised or repacked weight, a name it does not know) is a `PlanError` and the caller falls back to
@@ -21,6 +23,7 @@ import jax
 import torch
 from flax import traverse_util
 
+from bridge import cast_copy
 from bridge.dlpack import _whole_here, hf_views, layer_views
 from jaxppo.models.hf_io import hf_name, is_stacked
 
@@ -71,6 +74,8 @@ class DirectCopy:
             raise PlanError(f"no HF tensor fills the engine's {missing[:3]}")
         self._key: tuple | None = None
         self._dsts: list[torch.Tensor] = []
+        self._tables: dict[int, cast_copy.PointerTable] = defaultdict(cast_copy.PointerTable)
+        self.kernel = "auto"  # auto: the Triton cast-copy where it applies | foreach: torch._foreach_copy_ only
 
     def _order(self, flat: dict) -> None:
         """The destination of each HF tensor the parameter paths expand to, in tree order (`_dsts`,
@@ -111,9 +116,14 @@ class DirectCopy:
             return self.copy(hf_views(params))
         done = 0
         for path, w in zip(*found):
-            srcs = layer_views(path, w)
-            torch._foreach_copy_(self._dsts[done:done + len(srcs)], srcs)
-            done += len(srcs)
+            whole = torch.from_dlpack(w)
+            k = whole.shape[0] if is_stacked(path) else 1
+            dsts = self._dsts[done:done + k]
+            if self.kernel == "auto" and cast_copy.usable(whole, dsts):
+                cast_copy.cast_copy(whole, dsts, self._tables[done].get(dsts))
+            else:
+                torch._foreach_copy_(dsts, list(whole.unbind(0)) if k > 1 or is_stacked(path) else [whole])
+            done += k
         return done
 
     def copy(self, named: Iterable[tuple[str, torch.Tensor, bool]]) -> int:

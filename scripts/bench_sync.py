@@ -5,7 +5,8 @@
 Per model shape (random weights): vLLM starts first (dummy weights), then JAX creates fp32 master
 parameters. Two pushes, both `VLLMEngine.update_weights`: the trainer's, `HFWeights(params, bf16)`,
 which on GPU is the direct copy (`bridge.push.DirectCopy`: DLPack views of the fp32 master buffers,
-cast inside one batched `torch._foreach_copy_` into vLLM's fused parameters), and for comparison a
+cast inside the copy into vLLM's fused parameters: one Triton launch per parameter, `bridge/cast_copy.py`;
+timed too with torch's batched `_foreach_copy_` instead, `push_foreach_s`), and for comparison a
 plain iterator of the same tensors through vLLM's `load_weights` (per tensor a layer slice + cast in
 JAX, a DLPack view, vLLM's Python weight loader). After both, vLLM's parameters are compared bit for
 bit. Push time is `VLLMEngine.push_weights`; `update_weights` adds `reset_prefix_cache()`, timed
@@ -127,6 +128,14 @@ def run_model(name: str, args) -> dict:
         results[direct] = (float(np.median([push(direct)[0] for _ in range(args.reps)])),) + push(direct, watch=True)[1:]
     direct_used = engine._plan is not None
     parts = breakdown() if direct_used else {}
+    if direct_used:  # the same direct push with torch's batched cast-copy instead of the Triton kernel
+        from bridge import cast_copy
+
+        parts["triton"] = cast_copy.triton is not None
+        engine._plan.kernel = "foreach"
+        push(True)
+        parts["push_foreach_s"] = float(np.median([push(True)[0] for _ in range(args.reps)]))
+        engine._plan.kernel = "auto"
     t_reset = []
     for _ in range(args.reps):
         t = time.perf_counter()
@@ -231,10 +240,13 @@ def main(argv=None) -> int:
                 continue
             rows.append(json.loads(lines[-1][7:]))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'model':14} {'GB':>5} {'push s':>7} {'floor s':>7} {'x floor':>7} {'extra MB (jax/torch)':>21} "
+    print(f"\n{'model':14} {'GB':>5} {'push s':>7} {'floor s':>7} {'x floor':>7} {'foreach s':>9} {'x floor':>7} "
+          f"{'extra MB (jax/torch)':>21} "
           f"{'largest MB':>10} {'views/copy ms':>13} {'reset ms':>8} {'load_weights s':>14} {'bit-equal':>9} {'gen tok/s':>9} {'|dlp| mean/max':>15}")
     for r in rows:
+        fe = r.get("push_foreach_s", float("nan"))
         print(f"{r['model']:14} {r['model_gb']:5.2f} {r['push_s']:7.4f} {r['floor_s']:7.4f} {r['push_over_floor']:7.2f} "
+              f"{fe:9.4f} {fe / r['floor_s']:7.2f} "
               f"{r['extra_jax_mb']:10.0f}/{r['extra_torch_mb']:<10.0f} {r['largest_param_mb']:10.0f} "
               f"{1e3 * r.get('direct_sources_s', 0):6.2f}/{1e3 * r.get('direct_foreach_copy_s', 0):<6.2f} "
               f"{1e3 * r.get('reset_prefix_cache_s', 0):8.2f} "
