@@ -47,7 +47,7 @@ class ModelConfig:
     random_init: bool = False  # benchmarks: read only config.json from model.path, random weights of that shape
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"  # master weights
-    remat: str = "full"  # none | full | dots
+    remat: str = "full"  # none | full | dots | dots_attn (dots + cuDNN attention outputs)
     attention_impl: Optional[str] = None  # None: XLA (CPU) / cudnn (GPU) chosen automatically; or xla | cudnn
     # embedded default model shape (when path is None)
     tiny_hidden_size: int = 128  # hidden size of the embedded default model
@@ -144,6 +144,14 @@ class MeshConfig:
     data: int = -1  # data-parallel replicas (-1: fill)
     fsdp: int = 1  # parameter sharding (ZeRO-3)
     tensor: int = 1  # tensor parallel
+    fsdp_gather: str = "layer"  # layer: gather fsdp shards per layer when used (ZeRO-3) | update: once per
+    # update / forward pass, in the compute dtype (whole bf16 parameters + fp32 gradients per device, fewer collectives)
+    grad_reduce_dtype: str = "float32"  # float32 | bfloat16: gradients summed across devices in this dtype (bf16:
+    # half the bytes, each device's sum rounded to bf16 first); needs whole parameters per device (data, or fsdp_gather=update)
+
+    def axes(self) -> dict[str, int]:
+        """The axis sizes, as `jaxppo.sharding.make_mesh` takes them."""
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
 
 
 @dataclass(frozen=True)
@@ -319,8 +327,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     check(cfg.algorithm.kl_ctrl.type in ("fixed", "adaptive"), "algorithm.kl_ctrl.type must be fixed or adaptive")
     check(d.truncation in TRUNCATION_MODES, f"data.truncation {d.truncation!r} unknown; known: {list(TRUNCATION_MODES)}")
     check(r.n >= 1, "rollout.n must be >= 1")
-    check(cfg.model.remat in ("none", "full", "dots"), f"model.remat {cfg.model.remat!r} unknown; known: "
-          "['dots', 'full', 'none']")
+    check(cfg.model.remat in ("none", "full", "dots", "dots_attn"), f"model.remat {cfg.model.remat!r} unknown; known: "
+          "['dots', 'dots_attn', 'full', 'none']")
     seq_len = d.max_prompt_length + d.max_response_length
     for name, sub, keys in (("actor", a, ("ppo_max_token_len_per_device", "log_prob_max_token_len_per_device")),
                             ("critic", c, ("ppo_max_token_len_per_device", "forward_max_token_len_per_device"))):
@@ -338,10 +346,15 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
           "trainer.early_stop_patience needs validation: set trainer.test_freq > 0")
     check(t.early_stop_patience >= 0, "trainer.early_stop_patience must be >= 0")
     check(all(s >= 1 for s in t.profile_steps), "trainer.profile_steps are 1-based step numbers")
+    check(cfg.mesh.fsdp_gather in ("layer", "update"), f"mesh.fsdp_gather must be layer or update, got "
+          f"{cfg.mesh.fsdp_gather!r}")
+    check(cfg.mesh.fsdp_gather == "layer" or cfg.mesh.tensor == 1, "mesh.fsdp_gather=update needs mesh.tensor=1")
+    check(cfg.mesh.grad_reduce_dtype in ("float32", "bfloat16"), f"mesh.grad_reduce_dtype must be float32 or "
+          f"bfloat16, got {cfg.mesh.grad_reduce_dtype!r}")
     if num_devices is not None:
         from jaxppo.sharding import resolve_mesh_shape
 
-        sizes = resolve_mesh_shape(dataclasses.asdict(cfg.mesh), num_devices)
+        sizes = resolve_mesh_shape(cfg.mesh.axes(), num_devices)
         batch_shards = sizes["data"] * sizes["fsdp"]
         for name, sub in (("actor", a), ("critic", c)):
             micro = sub.ppo_micro_batch_size_per_device * batch_shards

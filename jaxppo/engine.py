@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxppo import ppo
 from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
+from jaxppo.errors import ConfigError
 from jaxppo.sharding import activation_rules, batch_sharding
 
 Batch = dict[str, jax.Array]
@@ -134,6 +135,27 @@ def response_values(module: nn.Module, params: Any, batch: Batch, response_lengt
     return values[:, -response_length - 1:-1]
 
 
+FSDP_GATHER = ("layer", "update")
+GRAD_REDUCE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _without(spec: P, axis: str) -> P:
+    """`spec` with mesh axis `axis` removed (that dimension whole on each device)."""
+    drop = lambda e: (None if e == axis else e) if not isinstance(e, tuple) else (tuple(a for a in e if a != axis) or None)
+    return P(*(drop(e) for e in spec))
+
+
+def _reduce_grad(g: jax.Array, spec: P, dtype: Any) -> jax.Array:
+    """Inside shard_map: one device's whole-parameter gradient sum -> the global sum of this device's shard
+    (reduce-scatter over fsdp along the dimension the parameter is sharded on; all-reduce over data),
+    communicated in `dtype`."""
+    out = g.dtype
+    g = g.astype(dtype)
+    dims = [i for i, e in enumerate(spec) if e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e)]
+    g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dims[0], tiled=True) if dims else jax.lax.psum(g, "fsdp")
+    return jax.lax.psum(g, "data").astype(out)
+
+
 def _norms(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(mask), jnp.sum(jnp.any(mask > 0, axis=-1))
 
@@ -149,16 +171,34 @@ class _Base:
     total_steps: int
     micro_batch_per_device: int
     forward_micro_batch_per_device: int
+    fsdp_gather: str = "layer"  # "layer": fsdp-sharded parameters gathered per layer when used (ZeRO-3);
+    # "update": gathered once per update / forward pass in the compute dtype (ZeRO-2 memory, fewer collectives)
+    grad_reduce_dtype: str = "float32"  # dtype of the cross-device gradient reduction (bfloat16: half the bytes)
 
     def __post_init__(self):
         # {metric: ("max"|"min", bound)}: a mini-batch breaking one is not applied (jaxppo/health.py);
         # NaN/inf in the loss or the gradient never is
         self.guards: dict[str, tuple[str, float]] = {}
-        self.compiled_shapes: set[tuple[int, int]] = set()  # packed (micro-batches, slots) shapes seen
+        self.compiled_shapes: set[tuple[int, ...]] = set()  # packed (micro-batches, slots, row length) shapes seen
         self.tx, self.schedule = make_optimizer(self.optim, self.total_steps)
-        self.batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        # only the data axis splits work: gradients are summed per device, reduced once per mini-batch
-        self.local_accumulation = self.mesh.shape["data"] > 1 and self.mesh.size == self.mesh.shape["data"]
+        m = self.mesh.shape
+        self.batch_shards = m["data"] * m["fsdp"]
+        if self.fsdp_gather not in FSDP_GATHER:
+            raise ConfigError(f"mesh.fsdp_gather={self.fsdp_gather!r} unknown; known: {list(FSDP_GATHER)}")
+        if self.fsdp_gather == "update" and m["tensor"] > 1:
+            raise ConfigError("mesh.fsdp_gather=update needs mesh.tensor=1 (a tensor-parallel layer is never whole "
+                              "on one device); use fsdp_gather=layer with tensor parallelism")
+        self.gather_once = self.fsdp_gather == "update" and m["fsdp"] > 1
+        # every device holds whole parameters while it computes (pure data parallelism, or fsdp gathered once):
+        # gradients are summed per device over all micro-batches and reduced across devices once per mini-batch
+        self.local_accumulation = self.batch_shards > 1 and m["tensor"] == 1 and (m["fsdp"] == 1 or self.gather_once)
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ConfigError(f"mesh.grad_reduce_dtype={self.grad_reduce_dtype!r} unknown; known: {list(GRAD_REDUCE_DTYPES)}")
+        if self.grad_reduce_dtype != "float32" and not self.local_accumulation:
+            raise ConfigError(f"mesh.grad_reduce_dtype={self.grad_reduce_dtype} applies where each device holds whole "
+                              "parameters (mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this "
+                              f"mesh is {dict(m)}")
+        self._param_specs = None  # PartitionSpecs of the parameter tree (from the first concrete params seen)
         self._update_jit = None
         self._forward_jit = None
 
@@ -185,9 +225,28 @@ class _Base:
             return constrain_micro(batch, self.mesh)
         return split_micro(batch, self._n_micro(batch["input_ids"].shape[0], per_device), self.mesh)
 
+    def _remember_specs(self, params: Any) -> None:
+        if self._param_specs is None:
+            spec = lambda x: x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()  # one device: whole
+            self._param_specs = jax.tree.map(spec, params)
+
+    def _compute_copy(self, params: Any) -> Any:
+        """Parameters in the module's compute dtype, still sharded: what gather-once mode gathers (every
+        use casts to that dtype anyway, so the values the model sees are unchanged)."""
+        return jax.tree.map(lambda p: p.astype(self.module.dtype), params)
+
+    def _gathered(self, params: Any) -> Any:
+        """Forward passes in gather-once mode: one all-gather of the compute-dtype parameters before the
+        micro-batch loop instead of one per layer per micro-batch."""
+        if not self.gather_once:
+            return params
+        whole = lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(self.mesh, _without(s, "fsdp")))
+        return jax.tree.map(whole, self._compute_copy(params), self._param_specs)
+
     def _forward_map(self, fn: Callable, params: Any, batch: Batch) -> Any:
         """`fn(params, micro_batch)` over forward micro-batches with lax.map; outputs re-merged [b, ...]
         (packed: left per micro-batch, [n_micro, rows, slots], for `Packed.unpack`)."""
+        params = self._gathered(params)
         out = jax.lax.map(lambda mb: fn(params, mb), self._micro_batches(batch, self.forward_micro_batch_per_device))
         return out if "gather_idx" in batch else jax.tree.map(merge_micro, out)
 
@@ -206,10 +265,12 @@ class _Base:
             raise ValueError(f"{self.batch_shards} batch shards do not split over {k} processes")
         local = self.batch_shards // k
         packed = pack(batch, self.response_length, budget, local, what)
-        if k > 1:
-            n, s = (int(v) for v in dist.gather_rows(np.array([packed.shape_key])).max(0))
-            if (n, s) != packed.shape_key:
-                packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s)
+        while k > 1:  # every process the same shapes: repeat with the largest until all agree (they only grow)
+            keys = dist.gather_rows(np.array([packed.shape_key]))
+            n, s, row = (int(v) for v in keys.max(0))
+            if (keys == (n, s, row)).all():
+                break
+            packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s, row_len=row)
         return packed
 
     def shard_packed(self, packed) -> Batch:
@@ -242,18 +303,27 @@ class _Base:
             return grads, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), (loss, metrics), rest)
 
         if self.local_accumulation:
-            # pure data parallelism: each device sums the gradients of its own rows over all micro-batches,
-            # and the devices add their sums once, after the scan. Left to the partitioner, the replicated
-            # accumulator would be all-reduced after every micro-batch (seen in the compiled HLO).
-            def local(params, micro, num_tokens, num_seqs):
-                with nn.logical_axis_rules(()):  # inside: per-device arrays, no sharding constraints
-                    out = scan_grads(params, micro, num_tokens, num_seqs)
-                return jax.lax.psum(out, "data")
+            # each device sums the gradients of its own rows over all micro-batches; the devices combine
+            # their sums once, after the scan (left to the partitioner, the accumulator would be reduced
+            # after every micro-batch: seen in the compiled HLO). Gather-once fsdp: the compute-dtype copy is
+            # gathered on entry, gradients are reduce-scattered back to the parameters' shards on exit.
+            specs, dtypes = self._param_specs, jax.tree.map(lambda p: p.dtype, state.params)
 
-            specs = jax.tree.map(lambda x: P(None, "data"), micro)
+            def local(params, micro, num_tokens, num_seqs):
+                # upcast: differentiate with respect to parameters of the master dtype, exactly as without
+                # the gather (bf16 -> fp32 -> bf16 is exact, and each use's cotangent is summed in fp32)
+                params = jax.tree.map(lambda p, d: p.astype(d), params, dtypes)
+                with nn.logical_axis_rules(()):  # inside: per-device arrays, no sharding constraints
+                    grads, aux = scan_grads(params, micro, num_tokens, num_seqs)
+                reduce = lambda g, s: _reduce_grad(g, s, GRAD_REDUCE_DTYPES[self.grad_reduce_dtype])
+                return jax.tree.map(reduce, grads, specs), jax.lax.psum(aux, ("data", "fsdp"))
+
+            micro_specs = jax.tree.map(lambda x: P(None, ("data", "fsdp")), micro)
+            params = self._compute_copy(state.params) if self.gather_once else state.params
             grads, (losses, metrics) = jax.shard_map(
-                local, mesh=self.mesh, in_specs=(P(), specs, P(), P()), out_specs=P(), check_vma=False,
-            )(state.params, micro, num_tokens, num_seqs)
+                local, mesh=self.mesh, in_specs=(P(), micro_specs, P(), P()), out_specs=(specs, P()),
+                check_vma=False,
+            )(params, micro, num_tokens, num_seqs)
         else:
             grads, (losses, metrics) = scan_grads(state.params, micro, num_tokens, num_seqs)
         grad_norm = optax.global_norm(grads)
@@ -287,6 +357,7 @@ class _Base:
         # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
         # P(None, None)) and the second call, seeing "different" input shardings, compiles again
         shardings = jax.tree.map(lambda x: x.sharding, state)
+        self._remember_specs(state.params)
         return jax.jit(lambda s, b: self._accumulate(loss_fn, s, b), donate_argnums=0,
                        out_shardings=(shardings, None))
 
@@ -324,11 +395,11 @@ class ActorEngine(_Base):
     """The policy: response log-probs (old / ref / current) and the PPO actor update."""
 
     def __init__(self, module: nn.Module, mesh: Mesh, cfg: ActorConfig, response_length: int, total_steps: int = 1,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, fsdp_gather: str = "layer", grad_reduce_dtype: str = "float32"):
         self.cfg = cfg
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: plain log-probs
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
-                         cfg.log_prob_micro_batch_size_per_device)
+                         cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype)
 
     def _logprobs(self, params, batch, with_entropy=True):
         return response_logprobs(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
@@ -337,6 +408,7 @@ class ActorEngine(_Base):
     def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
         """Per-token log-probs (and entropies, zeros unless asked) of the response tokens, [b, r]; for a
         packed batch (`shard_packed`), [n_micro, slots, r] (`Packed.unpack` restores the order)."""
+        self._remember_specs(params)
         if self._forward_jit is None:
             self._forward_jit = jax.jit(
                 lambda p, b, e: self._forward_map(lambda pp, mb: self._logprobs(pp, mb, e), p, b), static_argnums=2)
@@ -382,12 +454,14 @@ class ActorEngine(_Base):
 class CriticEngine(_Base):
     """The value model: values of the response states and the clipped value-loss update."""
 
-    def __init__(self, module: nn.Module, mesh: Mesh, cfg: CriticConfig, response_length: int, total_steps: int = 1):
+    def __init__(self, module: nn.Module, mesh: Mesh, cfg: CriticConfig, response_length: int, total_steps: int = 1,
+                 fsdp_gather: str = "layer", grad_reduce_dtype: str = "float32"):
         self.cfg = cfg
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
-                         cfg.log_prob_micro_batch_size_per_device)
+                         cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype)
 
     def values(self, params: Any, batch: Batch) -> jax.Array:
+        self._remember_specs(params)
         if self._forward_jit is None:
             self._forward_jit = jax.jit(lambda p, b: self._forward_map(
                 lambda pp, mb: response_values(self.module, pp, mb, self.response_length), p, b))

@@ -86,7 +86,7 @@ class PPOTrainer:
         self.main = jax.process_index() == 0  # writes the config, metrics and logs; every process checkpoints
         if self.main:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self.mesh = make_mesh(dataclasses.asdict(cfg.mesh))
+        self.mesh = make_mesh(cfg.mesh.axes())
         self.tokenizer, self.tokenizer_dir, self.train_ds, self.val_ds = prepare_data(cfg, self.run_dir)
         self.model_dir = prepare_model_dir(cfg, self.run_dir, self.tokenizer)
         self.n, self.R, self.P = cfg.rollout.n, cfg.data.max_response_length, cfg.data.max_prompt_length
@@ -107,7 +107,8 @@ class PPOTrainer:
         n_seq = cfg.data.train_batch_size * self.n
         steps_per = lambda sub: sub.ppo_epochs * (cfg.data.train_batch_size // sub.ppo_mini_batch_size)
         self.actor = ActorEngine(self.actor_module, self.mesh, a, self.R,
-                                 a.optim.total_steps or self.total_steps * steps_per(a), cfg.rollout.temperature)
+                                 a.optim.total_steps or self.total_steps * steps_per(a), cfg.rollout.temperature,
+                                 cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype)
         self.warm_dir = self.run_dir / "warm_model"
         if t.sft_warmup_steps > 0 and not (self.warm_dir / "config.json").is_file():
             actor_params = sft_warm_start(self, actor_params)
@@ -123,7 +124,8 @@ class PPOTrainer:
             self.critic_module, critic_params, _ = load_model(cfg.model.critic_path or start_dir, "value",
                                                               rng=jax.random.PRNGKey(t.seed + 1), **kw)
             self.critic = CriticEngine(self.critic_module, self.mesh, c, self.R,
-                                       c.optim.total_steps or self.total_steps * steps_per(c))
+                                       c.optim.total_steps or self.total_steps * steps_per(c), cfg.mesh.fsdp_gather,
+                                       cfg.mesh.grad_reduce_dtype)
             self.critic_state = self.critic.init_state(critic_params)
         self.actor.guards = update_guards(t.health, "actor")
         if self.use_critic:

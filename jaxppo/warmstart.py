@@ -42,7 +42,8 @@ def sft_warm_start(trainer, params: Any) -> Any:
     t, c = trainer.cfg.trainer, trainer.cfg
     acfg = dataclasses.replace(c.actor, optim=OptimConfig(lr=t.sft_lr, lr_warmup_steps=min(10, t.sft_warmup_steps),
                                                           weight_decay=0.0))
-    engine = ActorEngine(trainer.actor_module, trainer.mesh, acfg, trainer.R, max(t.sft_warmup_steps, 1))
+    engine = ActorEngine(trainer.actor_module, trainer.mesh, acfg, trainer.R, max(t.sft_warmup_steps, 1),
+                         fsdp_gather=c.mesh.fsdp_gather, grad_reduce_dtype=c.mesh.grad_reduce_dtype)
     state = engine.init_state(params)
     bs = c.data.train_batch_size * c.rollout.n
     bs = min(bs, len(trainer.train_ds)) // (acfg.ppo_micro_batch_size_per_device * engine.batch_shards) \

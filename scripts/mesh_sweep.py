@@ -4,7 +4,9 @@ tokens/s, MFU, peak memory per device.
     python scripts/mesh_sweep.py --model qwen2.5-1.5b --meshes "single;data=2;fsdp=2;tensor=2" \
         --batch 16 --seq 1024 --steps 3 [--json-out sweep.json]
 
-A mesh is `axis=size,...` over (data, fsdp, tensor); `single` is one device (the baseline). Each mesh
+A mesh is `axis=size,...` over (data, fsdp, tensor), optionally with `gather=update` (mesh.fsdp_gather:
+fsdp shards gathered once per update instead of per layer) and `reduce=bfloat16` (mesh.grad_reduce_dtype);
+`single` is one device (the baseline). Each mesh
 runs in its own process (clean compile caches and peak-memory counters). Phases, as in one PPO step
 (generation and rewards excluded: they do not depend on the mesh): old_log_prob (actor forward),
 values (critic forward), update_critic, update_actor: one mini-batch of `--batch` sequences of `--seq`
@@ -28,10 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def parse_mesh(text: str) -> dict[str, int]:
+def parse_mesh(text: str) -> tuple[dict[str, int], dict[str, str]]:
+    """"fsdp=2" or "data=2,fsdp=4,gather=update,reduce=bfloat16" -> (axis sizes, engine options:
+    mesh.fsdp_gather, mesh.grad_reduce_dtype)."""
     if text == "single":
-        return {"data": 1}
-    return {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+        return {"data": 1}, {}
+    items = dict(item.split("=") for item in text.split(","))
+    opts = {"fsdp_gather": items.pop("gather", "layer"), "grad_reduce_dtype": items.pop("reduce", "float32")}
+    return {k: int(v) for k, v in items.items()}, opts
 
 
 def run_one(args) -> dict:
@@ -47,7 +53,7 @@ def run_one(args) -> dict:
     from scripts.bench_update import synthetic_batch
     from scripts.shapes import SHAPES
 
-    shape = parse_mesh(args.one)
+    shape, opts = parse_mesh(args.one)
     n_dev = int(np.prod(list(shape.values())))
     mesh = make_mesh(shape, devices=jax.devices()[:n_dev])
     cfg = SHAPES[args.model]
@@ -57,14 +63,15 @@ def run_one(args) -> dict:
     a_params = init_params(actor_mod, jax.random.PRNGKey(0), param_shardings(abstract_params(actor_mod), mesh))
     c_params = init_params(critic_mod, jax.random.PRNGKey(1), param_shardings(abstract_params(critic_mod), mesh))
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = max(args.batch // shards // args.micro_batches, 1)
+    micro = args.micro_per_device or max(args.batch // shards // args.micro_batches, 1)
     resp = args.seq // 2
     optim = OptimConfig(lr=1e-6)
     actor = ActorEngine(actor_mod, mesh, ActorConfig(ppo_micro_batch_size_per_device=micro,
                                                      log_prob_micro_batch_size_per_device=micro,
-                                                     logprob_chunk_size=512, optim=optim), resp)
+                                                     logprob_chunk_size=512, optim=optim), resp, **opts)
     critic = CriticEngine(critic_mod, mesh, CriticConfig(ppo_micro_batch_size_per_device=micro,
-                                                         log_prob_micro_batch_size_per_device=micro, optim=optim), resp)
+                                                         log_prob_micro_batch_size_per_device=micro, optim=optim), resp,
+                          **opts)
     host = synthetic_batch(cfg, args.batch, args.seq, resp)
     host.update(values=np.zeros((args.batch, resp), np.float32), returns=np.ones((args.batch, resp), np.float32))
     batch = actor.shard_batch(host)
@@ -107,6 +114,7 @@ def run_one(args) -> dict:
     peak = measure_matmul_peak()
     mem = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat)
     return {"model": args.model, "mesh": args.one, "devices": n_dev, "batch": args.batch, "seq": args.seq,
+            "micro_per_device": micro,
             "step_s": step, **{f"{k}_s": v for k, v in times.items()}, "tokens_per_s": tokens / step,
             "update_tokens_per_s": tokens / (times["update_actor"] + times["update_critic"]),
             "mfu_actor": train_flops_per_token(cfg, args.seq) * tokens / times["update_actor"] / (peak * n_dev),
@@ -120,7 +128,10 @@ def main(argv=None) -> int:
     p.add_argument("--meshes", default="single;data=2;fsdp=2;tensor=2")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per mini-batch")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per mini-batch (the same on every mesh)")
+    p.add_argument("--micro-per-device", type=int, default=0,
+                   help="sequences per device per micro-batch instead (verl's *_micro_batch_size_per_gpu): more "
+                        "devices, fewer micro-batches")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--remat", default="full")
     p.add_argument("--profile", default=None, help="dir: trace one more of each phase per mesh, summarise it")
@@ -133,7 +144,8 @@ def main(argv=None) -> int:
     rows = []
     for mesh in args.meshes.split(";"):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mesh, "--model", args.model, "--batch",
-               str(args.batch), "--seq", str(args.seq), "--micro-batches", str(args.micro_batches), "--steps",
+               str(args.batch), "--seq", str(args.seq), "--micro-batches", str(args.micro_batches),
+               "--micro-per-device", str(args.micro_per_device), "--steps",
                str(args.steps), "--remat", args.remat] + (["--profile", args.profile] if args.profile else [])
         res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxppo import ppo
-from jaxppo.config import OptimConfig
-from jaxppo.engine import lr_schedule
+from jaxppo.config import ActorConfig, OptimConfig
+from jaxppo.engine import ActorEngine, lr_schedule
 from jaxppo.models import load_model
 from jaxppo.sharding import make_mesh
 from tests.engine_case import R_LEN, make_batch, run_case
@@ -43,6 +43,27 @@ def reference(tiny_qwen):
                                    {"data": 2, "fsdp": 2, "tensor": 2}])
 def test_mesh_invariance(tiny_qwen, reference, shape):
     assert_same(run_case(tiny_qwen, make_mesh(shape), micro_per_device=1), reference)
+
+
+@pytest.mark.parametrize("shape", [{"fsdp": 8}, {"data": 2, "fsdp": 4}])
+def test_mesh_invariance_gathering_once_per_update(tiny_qwen, reference, shape):
+    """fsdp_gather=update: whole parameters per device, gradients reduce-scattered once per mini-batch."""
+    assert_same(run_case(tiny_qwen, make_mesh(shape), micro_per_device=1, fsdp_gather="update"), reference)
+
+
+def test_bf16_gradient_reduction(tiny_qwen, reference):
+    """mesh.grad_reduce_dtype=bfloat16: each device's gradient sum is rounded to bf16 before the sum across
+    devices: the same update to bf16 precision, not bit-equal; refused where devices hold shards."""
+    from jaxppo.errors import ConfigError
+
+    out = run_case(tiny_qwen, make_mesh({"data": 4, "fsdp": 2}), micro_per_device=1, fsdp_gather="update",
+                   grad_reduce_dtype="bfloat16")
+    for k in ("actor/grad_norm", "critic/grad_norm"):
+        np.testing.assert_allclose(out[k], reference[k], rtol=1e-2)
+    assert abs(float(out["actor/grad_norm"]) - float(reference["actor/grad_norm"])) > 1e-7  # really rounded
+    module, _, _ = load_model(tiny_qwen)
+    with pytest.raises(ConfigError, match="grad_reduce_dtype"):
+        ActorEngine(module, make_mesh({"fsdp": 8}), ActorConfig(), R_LEN, grad_reduce_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("mode", list(ppo.LOSS_AGG_MODES))
@@ -106,26 +127,54 @@ def test_two_processes_match_one(tiny_qwen, reference, tmp_path):
             assert_same(pickle.load(f), reference)
 
 
-def test_data_parallel_gradients_reduced_once_per_mini_batch(tiny_qwen):
-    """Pure data parallelism: no all-reduce inside the micro-batch loop, only after it (compiled HLO)."""
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def _collectives_inside_loops(hlo: str) -> tuple[list[str], bool]:
+    """(collectives in the body of any while loop or what it calls, whether any collective runs outside)."""
     import re
 
+    comps = {c.split(" ", 2)[1 if c.startswith("ENTRY") else 0].lstrip("%"): c for c in re.split(r"\n(?=\S)", hlo)
+             if c.startswith(("%", "ENTRY"))}
+    callees = lambda text: set(re.findall(r"%([\w.\-]+)", " ".join(
+        re.findall(r"(?:body|condition|calls|to_apply|branch_computations|called_computations)=\{?([^}\s,]+(?:, %[^}\s,]+)*)", text))))
+    bodies = {n for c in comps.values() for n in re.findall(r"body=%([\w.\-]+)", c)}
+    assert bodies  # the micro-batch loop is a loop in the compiled program
+    seen, todo = set(), list(bodies)
+    while todo:
+        n = todo.pop()
+        if n not in seen and n in comps:
+            seen.add(n)
+            todo.extend(callees(comps[n]))
+    hits = lambda c: [l.strip()[:100] for l in c.split("\n")[1:] if any(f" {k}" in l for k in COLLECTIVES)]
+    inner = [h for n in seen for h in hits(comps[n])]
+    return inner, any(hits(c) for n, c in comps.items() if n not in seen)
+
+
+@pytest.mark.parametrize("shape,gather,once", [({"data": 8}, "layer", True), ({"data": 2, "fsdp": 4}, "update", True),
+                                               ({"data": 2, "fsdp": 4}, "layer", False)])
+def test_collectives_once_per_mini_batch(tiny_qwen, shape, gather, once):
+    """Whole parameters per device (pure data parallelism, or fsdp gathered once per update): no collective
+    inside the micro-batch loop of the compiled update or forward pass, only before / after it. fsdp
+    gathered per layer (the contrast) has them inside."""
     from jaxppo.config import ActorConfig
     from jaxppo.engine import ActorEngine
 
-    module, params, cfg = load_model(tiny_qwen, mesh=make_mesh({"data": 8}))
-    mesh = make_mesh({"data": 8})
-    engine = ActorEngine(module, mesh, ActorConfig(ppo_micro_batch_size_per_device=1, logprob_chunk_size=8,
-                                                   optim=OptimConfig(lr=1e-3)), R_LEN)
-    assert engine.local_accumulation
+    mesh = make_mesh(shape)
+    module, params, cfg = load_model(tiny_qwen, mesh=mesh)
+    engine = ActorEngine(module, mesh, ActorConfig(ppo_micro_batch_size_per_device=1, log_prob_micro_batch_size_per_device=1,
+                                                   logprob_chunk_size=8, optim=OptimConfig(lr=1e-3)), R_LEN,
+                         fsdp_gather=gather)
+    assert engine.local_accumulation == once
     parts = [make_batch(cfg.vocab_size, seed=i) for i in range(4)]
     batch = engine.shard_batch({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})  # 4 micro-batches
-    state = engine.init_state(params)
-    engine.update(state, batch)
+    engine.logprobs(params, batch)
+    engine.update(engine.init_state(params), batch)
     with engine._ctx():
-        hlo = engine._update_jit.lower(engine.init_state(params), batch).compile().as_text()
-    computations = re.split(r"\n(?=\S)", hlo)
-    entry = next(c for c in computations if c.startswith("ENTRY"))
-    inner = [c.split("\n")[0][:80] for c in computations if not c.startswith("ENTRY") and "all-reduce" in c]
-    assert " while(" in entry  # the micro-batch scan is a loop in the compiled program
-    assert "all-reduce" in entry and not inner, inner
+        update_hlo = engine._update_jit.lower(engine.init_state(params), batch).compile().as_text()
+        forward_hlo = engine._forward_jit.lower(params, batch, False).compile().as_text()
+    inner, entry = _collectives_inside_loops(update_hlo)
+    assert entry and (not inner) == once, inner
+    if "fsdp" in shape:
+        inner, entry = _collectives_inside_loops(forward_hlo)
+        assert entry and (not inner) == once, inner
