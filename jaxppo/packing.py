@@ -1,8 +1,8 @@
 """Token-budget batching: sequences packed into rows of a fixed token budget instead of padded.
 
 A padded batch (the engine's layout: prompt left-padded to p, response right-padded to r) becomes a
-`Packed` batch of micro-batches. Each micro-batch holds one row of `budget` tokens per batch shard; a
-row is several whole sequences back to back (segment ids 1, 2, ... and positions restarting at 0 for
+`Packed` batch of micro-batches. Each micro-batch holds one row of at most `budget` tokens per batch
+shard; a row is several whole sequences back to back (segment ids 1, 2, ... and positions restarting at 0 for
 each; 0 = the unused tail), so attention is block-diagonal and nothing crosses a sequence boundary.
 A row's response tokens are laid out flat in `slots` (the vocabulary projection runs on response
 tokens only); `gather_idx` says where in the row the state before each one sits, and per-token arrays
@@ -12,9 +12,13 @@ per-sequence aggregation modes need).
 
 Shapes are bucketed so the number of compiled programs stays bounded: the number of micro-batches is
 exact up to 8 and then rounded up to a quarter of its power of two (10, 12, 14, 16, 20, ...; empty rows
-compute nothing useful: at most ~1/8 is wasted), and so is the number of response-token slots per row. Sequences are assigned to rows by first-fit decreasing (the
-longest first, each into the first row with room), which keeps the rows near-full and the batch shards
-equally loaded (every shard gets one row per micro-batch).
+compute nothing useful: at most ~1/8 is wasted), and so is the number of response-token slots per row.
+The row length is a multiple of budget / 8 (at least the longest sequence): of those, the one that
+computes the fewest tokens (rows x length) after rounding the rows up, so a batch that would fill
+4.4 rows of the budget is packed into 5 shorter rows instead of 5 full-length ones with one nearly
+empty. Sequences are assigned to rows by first-fit decreasing (the longest first, each into the first
+row with room), which keeps the rows near-full and the batch shards equally loaded (every shard gets
+one row per micro-batch).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import dataclasses
 import math
 
 import numpy as np
+
+ROW_STEPS = 8  # row lengths are multiples of budget / ROW_STEPS
 
 # per-token arrays of the padded layout that follow their sequence into its slot
 SEQ_KEYS = ("old_logprobs", "advantages", "ref_logprobs", "is_weights", "values", "returns")
@@ -65,13 +71,13 @@ class Packed:
     slot_seq: np.ndarray  # [n_micro * shards, slots] padded-batch row of each slot (-1: empty)
     slot_pos: np.ndarray  # [n_micro * shards, slots] its response position j
     members: list[list[int]]  # padded-batch rows of each packed row, in row order
-    budget: int
+    budget: int  # the row length chosen (<= the token budget asked for)
     response_length: int
 
     @property
-    def shape_key(self) -> tuple[int, int]:
-        """(micro-batches, slots per row): what a compiled program depends on."""
-        return self.arrays["gather_idx"].shape[0], self.arrays["gather_idx"].shape[2]
+    def shape_key(self) -> tuple[int, int, int]:
+        """(micro-batches, slots per row, row length): what a compiled program depends on."""
+        return self.arrays["gather_idx"].shape[0], self.arrays["gather_idx"].shape[2], self.arrays["input_ids"].shape[2]
 
     def unpack(self, x: np.ndarray, batch_size: int) -> np.ndarray:
         """[n_micro, shards, slots] per-slot outputs -> [batch_size, r] in the padded batch's layout."""
@@ -103,9 +109,29 @@ def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[list[int]]:
     return bins
 
 
+def row_lengths(budget: int) -> list[int]:
+    """The row lengths `pack` may choose for a token budget, longest first."""
+    return sorted({-(-budget * k // ROW_STEPS) for k in range(1, ROW_STEPS + 1)}, reverse=True)
+
+
+def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int,
+            row_len: int | None) -> tuple[list[list[int]], int, int]:
+    """(bins, micro-batches, row length) computing the fewest tokens; the longer row wins a tie."""
+    longest = int(lengths.max(initial=1))
+    best = None
+    for length in [row_len] if row_len else [n for n in row_lengths(budget) if n >= longest]:
+        bins = first_fit_decreasing(lengths, length)
+        n_micro = max(bucket(math.ceil(len(bins) / shards)), min_micro)
+        if best is None or n_micro * length < best[1] * best[2]:
+            best = (bins, n_micro, length)
+    return best
+
+
 def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards: int,
-         what: str = "actor.ppo_max_token_len_per_device", min_micro: int = 1, min_slots: int = 1) -> Packed:
-    """Pack a padded host batch (see jaxppo/engine.py for the layout) into rows of `budget` tokens."""
+         what: str = "actor.ppo_max_token_len_per_device", min_micro: int = 1, min_slots: int = 1,
+         row_len: int | None = None) -> Packed:
+    """Pack a padded host batch (see jaxppo/engine.py for the layout) into rows of at most `budget`
+    tokens (`row_len`: exactly that long; min_*, row_len: what other processes need)."""
     ids, seg = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
     r = response_length
     b, t = ids.shape
@@ -116,15 +142,14 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     if too_long.size:
         i = int(too_long[0])
         raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than {what} = {budget}")
-    bins = first_fit_decreasing(lengths, budget)
-    n_micro = max(bucket(math.ceil(len(bins) / shards)), min_micro)  # min_*: what other processes need
+    bins, n_micro, row = _layout(lengths, budget, shards, min_micro, row_len)
     bins += [[] for _ in range(n_micro * shards - len(bins))]
     rmask = np.asarray(batch["response_mask"]) > 0
     rlen = rmask.sum(1)
     slots = max(bucket(max(1, max(int(rlen[m].sum()) for m in bins))), min_slots)
     rows = n_micro * shards
 
-    out_ids, out_seg, out_pos = (np.zeros((rows, budget), np.int32) for _ in range(3))
+    out_ids, out_seg, out_pos = (np.zeros((rows, row), np.int32) for _ in range(3))
     gather, targets = np.zeros((rows, slots), np.int32), np.zeros((rows, slots), np.int32)
     slot_mask, weight = np.zeros((rows, slots), np.float32), np.zeros((rows, slots), np.float32)
     slot_seq, slot_pos = np.full((rows, slots), -1, np.int64), np.zeros((rows, slots), np.int64)
@@ -156,13 +181,13 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
               "gather_idx": shaped(gather), "targets": shaped(targets), "response_mask": shaped(slot_mask),
               "token_weight": shaped(weight), "seq_count": shaped(seq_count)}
     arrays.update({k: shaped(v) for k, v in per_tok.items()})
-    return Packed(arrays, slot_seq, slot_pos, bins, budget, r)
+    return Packed(arrays, slot_seq, slot_pos, bins, row, r)
 
 
 def max_programs(batch_size: int, budget: int, shards: int) -> int:
-    """Bound on the distinct (micro-batches, slots) shapes `pack` can produce for batches of
-    `batch_size` sequences: powers of two up to the worst case of each."""
-    return len(buckets_upto(math.ceil(batch_size / shards))) * len(buckets_upto(budget))
+    """Bound on the distinct (micro-batches, slots, row length) shapes `pack` can produce for batches of
+    `batch_size` sequences: the buckets up to the worst case of each."""
+    return len(buckets_upto(math.ceil(batch_size / shards))) * len(buckets_upto(budget)) * len(row_lengths(budget))
 
 
-__all__ = ["Packed", "pack", "first_fit_decreasing", "max_programs", "SEQ_KEYS"]
+__all__ = ["Packed", "pack", "first_fit_decreasing", "max_programs", "row_lengths", "SEQ_KEYS"]

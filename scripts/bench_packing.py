@@ -104,16 +104,16 @@ def main(argv=None) -> int:
         for budget in (int(b) for b in args.budget.split(",")):
             packed = pack(batch, R_MAX, budget, shards)
             state, t_pack, loss_pack = timed(engine, state, engine.shard_packed(packed), args.steps)
-            n_micro = packed.shape_key[0]
-            rows.append({**base, "layout": "packed", "row_tokens": budget, "micro_batches": n_micro,
+            n_micro, _, row = packed.shape_key
+            rows.append({**base, "layout": "packed", "budget": budget, "row_tokens": row, "micro_batches": n_micro,
                          "rows_used": sum(1 for m in packed.members if m), "step_s": t_pack,
-                         "useful_tokens_per_s": useful / t_pack, "computed_tokens": n_micro * shards * budget,
+                         "useful_tokens_per_s": useful / t_pack, "computed_tokens": n_micro * shards * row,
                          "speedup_vs_padded": t_pad / t_pack, "pg_loss": loss_pack})
             print(json.dumps(rows[-1]))
         del engine, state, params
-    print(f"\n{'model':14} {'layout':7} {'row':>5} {'step_s':>8} {'useful tok/s':>13} {'computed/useful':>16} {'speedup':>8}")
+    print(f"\n{'model':14} {'layout':7} {'budget':>6} {'row':>5} {'step_s':>8} {'useful tok/s':>13} {'computed/useful':>16} {'speedup':>8}")
     for r in rows:
-        print(f"{r['model']:14} {r['layout']:7} {r['row_tokens']:5d} {r['step_s']:8.3f} {r['useful_tokens_per_s']:13.0f} "
+        print(f"{r['model']:14} {r['layout']:7} {r.get('budget', r['row_tokens']):6d} {r['row_tokens']:5d} {r['step_s']:8.3f} {r['useful_tokens_per_s']:13.0f} "
               f"{r['computed_tokens'] / r['useful_tokens']:16.2f} {r.get('speedup_vs_padded', 1.0):8.2f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))

@@ -13,7 +13,7 @@ import pytest
 from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.models import load_model
-from jaxppo.packing import first_fit_decreasing, max_programs, pack
+from jaxppo.packing import first_fit_decreasing, max_programs, pack, row_lengths
 from jaxppo.sharding import make_mesh
 
 P, R = 12, 10
@@ -142,6 +142,23 @@ def test_compiled_programs_stay_within_buckets(tiny_qwen):
         jax.block_until_ready(actor.logprobs(params, actor.shard_packed(pack(batch, R, budget, shards=2))))
     assert 1 < len(actor.compiled_shapes) <= bound, (actor.compiled_shapes, bound)
     assert actor.compiles() == len(actor.compiled_shapes)  # jit really compiled once per bucket, no more
+
+
+def test_row_length_computes_fewest_tokens():
+    """The row length is one of the budget's steps, holds the longest sequence, and never computes more
+    tokens than full-budget rows; on some batches strictly fewer."""
+    budget, better = 48, 0
+    for seed in range(30):
+        batch = random_batch(101, 16, seed=seed)
+        packed, full = pack(batch, R, budget, shards=2), pack(batch, R, budget, shards=2, row_len=budget)
+        n, _, row = packed.shape_key
+        longest = int((batch["attention_mask"] > 0).sum(1).max())
+        assert row in row_lengths(budget) and longest <= row <= budget
+        assert packed.arrays["input_ids"].shape[2] == row and full.shape_key[2] == budget
+        computed, computed_full = n * 2 * row, full.shape_key[0] * 2 * budget
+        assert packed.useful_tokens == full.useful_tokens <= computed <= computed_full
+        better += computed < computed_full
+    assert better > 0
 
 
 def test_sequence_longer_than_budget_is_a_clear_error(tiny_qwen):
