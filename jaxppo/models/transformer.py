@@ -17,10 +17,18 @@ from jaxtyping import Array, Float, Int
 
 from jaxppo.models.config import ModelConfig
 
+def _dots_and_attention(prim, *avals, **params) -> bool:
+    """`dots` plus the fused attention's forward outputs (its output and softmax statistics): cuDNN's
+    attention is a custom call, not a dot, so under `dots` the backward pass runs it forward again."""
+    return prim.name.startswith("dot_product_attention_fwd") or \
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
+
+
 REMAT_POLICIES: dict[str, Callable | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_attn": _dots_and_attention,
 }
 
 
