@@ -48,7 +48,8 @@ def synthetic_batch(cfg, batch: int, seq: int, resp: int, seed: int = 0) -> dict
 def bench_jax(cfg, args, batch_np) -> dict:
     mesh = make_mesh({"data": -1})
     impl = "cudnn" if jax.default_backend() == "gpu" else None
-    module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat, attention_impl=impl)
+    module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat, attention_impl=impl,
+                         scan_unroll=args.unroll)
     params = init_params(module, jax.random.PRNGKey(0), param_shardings(abstract_params(module), mesh))
     acfg = ActorConfig(ppo_micro_batch_size_per_device=args.micro or args.batch // jax.device_count(),
                        logprob_chunk_size=args.chunk, optim=OptimConfig(lr=1e-6))
@@ -136,7 +137,8 @@ def in_subprocess(fw: str, name: str, args) -> dict:
 
     cmd = [sys.executable, __file__, "--only", fw, "--model", name, "--batch", str(args.batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--micro", str(args.micro), "--chunk", str(args.chunk),
-           "--remat", args.remat, "--torch-ckpt", str(args.torch_ckpt), "--workdir", args.workdir]
+           "--remat", args.remat, "--unroll", str(args.unroll), "--torch-ckpt", str(args.torch_ckpt),
+           "--workdir", args.workdir]
     cmd += ["--profile", args.profile] if args.profile else []
     res = subprocess.run(cmd, capture_output=True, text=True)
     lines = res.stdout.splitlines()
@@ -156,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--micro", type=int, default=0, help="micro-batch per device (0: the whole batch)")
     p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (response tokens)")
     p.add_argument("--remat", default="full")
+    p.add_argument("--unroll", type=int, default=1, help="JAX: decoder layers per iteration of the layer scan")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--only", choices=["jax", "torch"], default=None, help=argparse.SUPPRESS)  # internal
     p.add_argument("--profile", default=None, help="dir: trace one more JAX step and summarise it")
@@ -182,6 +185,8 @@ def main(argv=None) -> int:
         for fw, r in results.items():
             tps = tokens / r["step_s"]
             remat = args.remat if fw == "jax" else ("checkpointing" if args.torch_ckpt else "none")
+            if fw == "jax" and args.unroll > 1:
+                remat += f", unroll {args.unroll}"
             row = {"model": name, "framework": fw, "remat": remat, "batch": args.batch, "seq": args.seq, "tokens_per_s": tps,
                    "mfu": fpt * tps / (peak * jax.device_count()), "flops_per_token": fpt,
                    "peak_tflops": peak / 1e12, "device": jax.devices()[0].device_kind, **r}

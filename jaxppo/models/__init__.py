@@ -26,14 +26,14 @@ SCORE_PATHS = (("score", "weight"), ("score", "bias"))
 
 def build_model(cfg: ModelConfig, head: str = "lm", *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                 remat: str = "none", attention_impl: str | None = None, score_bias: bool = True,
-                attention_window: int | None = None) -> nn.Module:
+                attention_window: int | None = None, scan_unroll: int = 1) -> nn.Module:
     """The Flax module for `cfg`: `CausalLM` for head "lm", `ValueModel` for head "value".
     `attention_window`: the longest sequence the model will see; rows longer than that (packed) attend
     only that far back, which lets cuDNN skip blocks."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat {remat!r} unknown; known: {sorted(REMAT_POLICIES)}")
     kw = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention_impl=attention_impl,
-              attention_window=attention_window)
+              attention_window=attention_window, scan_unroll=scan_unroll)
     if head == "lm":
         return CausalLM(cfg, **kw)
     if head == "value":

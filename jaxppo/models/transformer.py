@@ -196,6 +196,7 @@ class Decoder(nn.Module):
     remat: str = "none"
     attention_impl: str | None = None
     attention_window: int | None = None
+    scan_unroll: int = 1  # layers per iteration of the layer loop
 
     def setup(self):
         c = self.cfg
@@ -205,7 +206,7 @@ class Decoder(nn.Module):
             block = nn.remat(block, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
         self.layers = nn.scan(
             block, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers, unroll=self.scan_unroll,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.dtype, self.param_dtype, self.attention_impl, self.attention_window)
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
@@ -229,10 +230,11 @@ class CausalLM(nn.Module):
     remat: str = "none"
     attention_impl: str | None = None
     attention_window: int | None = None
+    scan_unroll: int = 1
 
     def setup(self):
         self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
-                             self.attention_window)
+                             self.attention_window, self.scan_unroll)
         if not self.cfg.tie_word_embeddings:
             self.lm_head = Linear(self.cfg.vocab_size, ("vocab", "embed"), dtype=self.dtype,
                                   param_dtype=self.param_dtype)
@@ -259,10 +261,11 @@ class ValueModel(nn.Module):
     attention_impl: str | None = None
     score_bias: bool = True
     attention_window: int | None = None
+    scan_unroll: int = 1
 
     def setup(self):
         self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
-                             self.attention_window)
+                             self.attention_window, self.scan_unroll)
         self.score = Linear(1, ("score", "embed"), self.score_bias, dtype=self.dtype, param_dtype=self.param_dtype)
 
     def __call__(self, input_ids, positions, segment_ids) -> Float[Array, "b t"]:
