@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv if needed, then runs the CPU test suite. Extra args go to pytest.
+#   JAXPPO_TEST_WORKERS  pytest-xdist workers (default 2; 0 runs in this process; each test file stays on
+#                        one worker, so module fixtures are built once)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
-exec python -m pytest "$@"
+exec python -m pytest -n "${JAXPPO_TEST_WORKERS:-2}" --dist loadfile "$@"
