@@ -13,6 +13,8 @@ is how the tests check it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -37,8 +39,6 @@ def usable(src: torch.Tensor, dsts: list[torch.Tensor]) -> bool:
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

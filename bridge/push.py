@@ -122,7 +122,7 @@ class DirectCopy:
             if self.kernel == "auto" and cast_copy.usable(whole, dsts):
                 cast_copy.cast_copy(whole, dsts, self._tables[done].get(dsts))
             else:
-                torch._foreach_copy_(dsts, list(whole.unbind(0)) if k > 1 or is_stacked(path) else [whole])
+                torch._foreach_copy_(dsts, list(whole.unbind(0)) if is_stacked(path) else [whole])
             done += k
         return done
 
