@@ -86,8 +86,8 @@ class ActorConfig:
     logprob_chunk_size: int = 256  # response tokens per chunk of the [tokens, vocab] head
     log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
     use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding (jaxppo/packing.py)
-    ppo_max_token_len_per_device: int = 16384  # packed: tokens per device per update micro-batch
-    log_prob_max_token_len_per_device: int = 16384  # packed: tokens per device per forward micro-batch
+    ppo_max_token_len_per_device: int = 16384  # packed: at most this many tokens per device per update micro-batch (one row)
+    log_prob_max_token_len_per_device: int = 16384  # packed: at most this many tokens per device per forward micro-batch
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
 
 
@@ -101,8 +101,8 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"  # as actor.loss_agg_mode
     log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
     use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding
-    ppo_max_token_len_per_device: int = 32768  # packed: tokens per device per update micro-batch
-    forward_max_token_len_per_device: int = 32768  # packed: tokens per device per forward micro-batch
+    ppo_max_token_len_per_device: int = 32768  # packed: at most this many tokens per device per update micro-batch (one row)
+    forward_max_token_len_per_device: int = 32768  # packed: at most this many tokens per device per forward micro-batch
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
 
