@@ -86,7 +86,7 @@ class ActorConfig:
     logprob_chunk_size: int = 256  # response tokens per chunk of the [tokens, vocab] head
     log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
     use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding (jaxppo/packing.py)
-    ppo_max_token_len_per_device: int = 16384  # packed: at most this many tokens per device per update micro-batch (one row)
+    ppo_max_token_len_per_device: int = 16384  # packed: at most this many tokens per device per update micro-batch
     log_prob_max_token_len_per_device: int = 16384  # packed: at most this many tokens per device per forward micro-batch
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
 
@@ -146,8 +146,9 @@ class MeshConfig:
     tensor: int = 1  # tensor parallel
     fsdp_gather: str = "layer"  # layer: gather fsdp shards per layer when used (ZeRO-3) | update: once per
     # update / forward pass, in the compute dtype (whole bf16 parameters + fp32 gradients per device, fewer collectives)
-    grad_reduce_dtype: str = "float32"  # float32 | bfloat16: gradients summed across devices in this dtype (bf16:
-    # half the bytes, each device's sum rounded to bf16 first); needs whole parameters per device (data, or fsdp_gather=update)
+    grad_reduce_dtype: str = "float32"  # float32 | bfloat16: gradients summed across devices in this dtype
+    # (bf16: half the bytes, each device's sum rounded to bf16 first); needs whole parameters per device
+    # (pure data parallelism, or fsdp_gather=update)
 
     def axes(self) -> dict[str, int]:
         """The axis sizes, as `jaxppo.sharding.make_mesh` takes them."""

@@ -141,7 +141,11 @@ GRAD_REDUCE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def _without(spec: P, axis: str) -> P:
     """`spec` with mesh axis `axis` removed (that dimension whole on each device)."""
-    drop = lambda e: (None if e == axis else e) if not isinstance(e, tuple) else (tuple(a for a in e if a != axis) or None)
+    def drop(e):
+        if isinstance(e, tuple):
+            return tuple(a for a in e if a != axis) or None
+        return None if e == axis else e
+
     return P(*(drop(e) for e in spec))
 
 
@@ -193,7 +197,8 @@ class _Base:
         # gradients are summed per device over all micro-batches and reduced across devices once per mini-batch
         self.local_accumulation = self.batch_shards > 1 and m["tensor"] == 1 and (m["fsdp"] == 1 or self.gather_once)
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-            raise ConfigError(f"mesh.grad_reduce_dtype={self.grad_reduce_dtype!r} unknown; known: {list(GRAD_REDUCE_DTYPES)}")
+            raise ConfigError(f"mesh.grad_reduce_dtype={self.grad_reduce_dtype!r} unknown; "
+                              f"known: {list(GRAD_REDUCE_DTYPES)}")
         if self.grad_reduce_dtype != "float32" and not self.local_accumulation:
             raise ConfigError(f"mesh.grad_reduce_dtype={self.grad_reduce_dtype} applies where each device holds whole "
                               "parameters (mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this "

@@ -136,8 +136,8 @@ def _collectives_inside_loops(hlo: str) -> tuple[list[str], bool]:
 
     comps = {c.split(" ", 2)[1 if c.startswith("ENTRY") else 0].lstrip("%"): c for c in re.split(r"\n(?=\S)", hlo)
              if c.startswith(("%", "ENTRY"))}
-    callees = lambda text: set(re.findall(r"%([\w.\-]+)", " ".join(
-        re.findall(r"(?:body|condition|calls|to_apply|branch_computations|called_computations)=\{?([^}\s,]+(?:, %[^}\s,]+)*)", text))))
+    calls = r"(?:body|condition|calls|to_apply|branch_computations|called_computations)=\{?([^}\s,]+(?:, %[^}\s,]+)*)"
+    callees = lambda text: set(re.findall(r"%([\w.\-]+)", " ".join(re.findall(calls, text))))
     bodies = {n for c in comps.values() for n in re.findall(r"body=%([\w.\-]+)", c)}
     assert bodies  # the micro-batch loop is a loop in the compiled program
     seen, todo = set(), list(bodies)
