@@ -101,7 +101,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"  # as actor.loss_agg_mode
     log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
     use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding
-    ppo_max_token_len_per_device: int = 32768  # packed: at most this many tokens per device per update micro-batch (one row)
+    ppo_max_token_len_per_device: int = 32768  # packed: at most this many tokens per device per update micro-batch
     forward_max_token_len_per_device: int = 32768  # packed: at most this many tokens per device per forward micro-batch
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 

@@ -162,9 +162,9 @@ def test_collectives_once_per_mini_batch(tiny_qwen, shape, gather, once):
 
     mesh = make_mesh(shape)
     module, params, cfg = load_model(tiny_qwen, mesh=mesh)
-    engine = ActorEngine(module, mesh, ActorConfig(ppo_micro_batch_size_per_device=1, log_prob_micro_batch_size_per_device=1,
-                                                   logprob_chunk_size=8, optim=OptimConfig(lr=1e-3)), R_LEN,
-                         fsdp_gather=gather)
+    acfg = ActorConfig(ppo_micro_batch_size_per_device=1, log_prob_micro_batch_size_per_device=1, logprob_chunk_size=8,
+                       optim=OptimConfig(lr=1e-3))
+    engine = ActorEngine(module, mesh, acfg, R_LEN, fsdp_gather=gather)
     assert engine.local_accumulation == once
     parts = [make_batch(cfg.vocab_size, seed=i) for i in range(4)]
     batch = engine.shard_batch({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})  # 4 micro-batches
