@@ -41,11 +41,15 @@ def one_process_run(tmp_path_factory):
     return one
 
 
+# fsdp across the two processes, parameters gathered once per update, gradients reduce-scattered once
+FSDP_ONCE = ["mesh.data=1", "mesh.fsdp=2", "mesh.fsdp_gather=update"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "fsdp_update"])
 def test_two_processes_match_one(layout, one_process_run, tmp_path):
     one, two = one_process_run, tmp_path / "two"
-    args = SAME + (PACKED if layout == "packed" else [])
+    args = SAME + {"padded": [], "packed": PACKED, "fsdp_update": FSDP_ONCE}[layout]
     res = subprocess.run([sys.executable, "-m", "jaxppo.launch", "--nproc", "2", "--",
                           f"trainer.default_local_dir={two}", *args],
                          cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
