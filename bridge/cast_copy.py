@@ -29,13 +29,19 @@ BLOCK = 4096
 def usable(src: torch.Tensor, dsts: list[torch.Tensor]) -> bool:
     """Whether `cast_copy(src, dsts)` applies: fp32 contiguous source [len(dsts), ...] on a GPU (or
     on the CPU under TRITON_INTERPRET=1, for tests), contiguous bf16 destinations of one layer each."""
-    if triton is None or src.dtype != torch.float32 or not src.is_contiguous():
+    return _destinations_fit(dsts) and _source_fits(src, dsts)
+
+
+def _destinations_fit(dsts: list[torch.Tensor]) -> bool:
+    if triton is None or not dsts or not (dsts[0].is_cuda or _interpreting()):
         return False
-    if not (src.is_cuda or _interpreting()):
-        return False
-    n = src.numel() // max(len(dsts), 1)
-    return bool(dsts) and n * len(dsts) == src.numel() and all(
-        d.dtype == torch.bfloat16 and d.is_contiguous() and d.numel() == n and d.device == src.device for d in dsts)
+    n, device = dsts[0].numel(), dsts[0].device
+    return all(d.dtype == torch.bfloat16 and d.is_contiguous() and d.numel() == n and d.device == device for d in dsts)
+
+
+def _source_fits(src: torch.Tensor, dsts: list[torch.Tensor]) -> bool:
+    return (src.dtype == torch.float32 and src.is_contiguous() and src.device == dsts[0].device
+            and src.numel() == len(dsts) * dsts[0].numel())
 
 
 def _interpreting() -> bool:
@@ -43,19 +49,22 @@ def _interpreting() -> bool:
 
 
 class PointerTable:
-    """Destination addresses as a device int64 tensor, rebuilt only when an address changes (the engine
-    reallocated its parameters): no host-to-device copy on a steady-state push."""
+    """One parameter's destinations as a device table of addresses, for `cast_copy`. The destinations
+    are checked and the table built only when an address changes (the engine reallocated its
+    parameters): a steady-state push checks the source alone and copies nothing to the device."""
 
     def __init__(self):
         self._ptrs: tuple[int, ...] = ()
-        self.table: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
 
-    def get(self, dsts: list[torch.Tensor]) -> torch.Tensor:
+    def get(self, src: torch.Tensor, dsts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The address table, or None where the kernel does not apply (`usable`)."""
         ptrs = tuple(d.data_ptr() for d in dsts)
         if ptrs != self._ptrs:
-            self.table = torch.tensor(ptrs, dtype=torch.int64, device=dsts[0].device)
+            fit = _destinations_fit(dsts)
+            self._table = torch.tensor(ptrs, dtype=torch.int64, device=dsts[0].device) if fit else None
             self._ptrs = ptrs
-        return self.table
+        return self._table if self._table is not None and _source_fits(src, dsts) else None
 
 
 def cast_copy(src: torch.Tensor, dsts: list[torch.Tensor], table: torch.Tensor) -> None:

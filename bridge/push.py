@@ -119,8 +119,9 @@ class DirectCopy:
             whole = torch.from_dlpack(w)
             k = whole.shape[0] if is_stacked(path) else 1
             dsts = self._dsts[done:done + k]
-            if self.kernel == "auto" and cast_copy.usable(whole, dsts):
-                cast_copy.cast_copy(whole, dsts, self._tables[done].get(dsts))
+            table = self._tables[done].get(whole, dsts) if self.kernel == "auto" else None
+            if table is not None:
+                cast_copy.cast_copy(whole, dsts, table)
             else:
                 torch._foreach_copy_(dsts, list(whole.unbind(0)) if is_stacked(path) else [whole])
             done += k

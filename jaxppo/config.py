@@ -139,6 +139,10 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
 
+FSDP_GATHER = ("layer", "update")  # mesh.fsdp_gather
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # mesh.grad_reduce_dtype
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     data: int = -1  # data-parallel replicas (-1: fill)
@@ -347,11 +351,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
           "trainer.early_stop_patience needs validation: set trainer.test_freq > 0")
     check(t.early_stop_patience >= 0, "trainer.early_stop_patience must be >= 0")
     check(all(s >= 1 for s in t.profile_steps), "trainer.profile_steps are 1-based step numbers")
-    check(cfg.mesh.fsdp_gather in ("layer", "update"), f"mesh.fsdp_gather must be layer or update, got "
+    check(cfg.mesh.fsdp_gather in FSDP_GATHER, f"mesh.fsdp_gather must be one of {list(FSDP_GATHER)}, got "
           f"{cfg.mesh.fsdp_gather!r}")
     check(cfg.mesh.fsdp_gather == "layer" or cfg.mesh.tensor == 1, "mesh.fsdp_gather=update needs mesh.tensor=1")
-    check(cfg.mesh.grad_reduce_dtype in ("float32", "bfloat16"), f"mesh.grad_reduce_dtype must be float32 or "
-          f"bfloat16, got {cfg.mesh.grad_reduce_dtype!r}")
+    check(cfg.mesh.grad_reduce_dtype in GRAD_REDUCE_DTYPES, f"mesh.grad_reduce_dtype must be one of "
+          f"{list(GRAD_REDUCE_DTYPES)}, got {cfg.mesh.grad_reduce_dtype!r}")
     if num_devices is not None:
         from jaxppo.sharding import resolve_mesh_shape
 

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxppo import ppo
-from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
+from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticConfig, OptimConfig
 from jaxppo.errors import ConfigError
 from jaxppo.sharding import activation_rules, batch_sharding
 
@@ -133,10 +133,6 @@ def response_values(module: nn.Module, params: Any, batch: Batch, response_lengt
     if "gather_idx" in batch:
         return _gather_packed(values, batch["gather_idx"])
     return values[:, -response_length - 1:-1]
-
-
-FSDP_GATHER = ("layer", "update")
-GRAD_REDUCE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def _without(spec: P, axis: str) -> P:
@@ -320,7 +316,7 @@ class _Base:
                 params = jax.tree.map(lambda p, d: p.astype(d), params, dtypes)
                 with nn.logical_axis_rules(()):  # inside: per-device arrays, no sharding constraints
                     grads, aux = scan_grads(params, micro, num_tokens, num_seqs)
-                reduce = lambda g, s: _reduce_grad(g, s, GRAD_REDUCE_DTYPES[self.grad_reduce_dtype])
+                reduce = lambda g, s: _reduce_grad(g, s, jnp.dtype(self.grad_reduce_dtype))
                 return jax.tree.map(reduce, grads, specs), jax.lax.psum(aux, ("data", "fsdp"))
 
             micro_specs = jax.tree.map(lambda x: P(None, ("data", "fsdp")), micro)

@@ -59,7 +59,7 @@ def buckets_upto(n: int) -> list[int]:
 @dataclasses.dataclass
 class Packed:
     """Host arrays with a leading micro-batch axis, one row per batch shard:
-      input_ids, attention_mask (segment ids), positions   [n_micro, shards, budget]
+      input_ids, attention_mask (segment ids), positions   [n_micro, shards, row length]
       gather_idx       [n_micro, shards, slots]  in-row position of the state before each response token
       targets, response_mask, token_weight and the SEQ_KEYS arrays   [n_micro, shards, slots]
       seq_count        [n_micro, shards]          sequences with a response token in each row
@@ -71,7 +71,6 @@ class Packed:
     slot_seq: np.ndarray  # [n_micro * shards, slots] padded-batch row of each slot (-1: empty)
     slot_pos: np.ndarray  # [n_micro * shards, slots] its response position j
     members: list[list[int]]  # padded-batch rows of each packed row, in row order
-    budget: int  # the row length chosen (<= the token budget asked for)
     response_length: int
 
     @property
@@ -181,7 +180,7 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
               "gather_idx": shaped(gather), "targets": shaped(targets), "response_mask": shaped(slot_mask),
               "token_weight": shaped(weight), "seq_count": shaped(seq_count)}
     arrays.update({k: shaped(v) for k, v in per_tok.items()})
-    return Packed(arrays, slot_seq, slot_pos, bins, row, r)
+    return Packed(arrays, slot_seq, slot_pos, bins, r)
 
 
 def max_programs(batch_size: int, budget: int, shards: int) -> int:

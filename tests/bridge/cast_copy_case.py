@@ -19,7 +19,8 @@ def check_kernel() -> None:
     pool = torch.full((layers, 2 * n), 7.0, dtype=torch.bfloat16)  # each layer lands inside a bigger tensor
     dsts = [pool[i, 11:11 + n] for i in range(layers)]
     assert cast_copy.usable(src, dsts)
-    cast_copy.cast_copy(src, dsts, cast_copy.PointerTable().get(dsts))
+    table = cast_copy.PointerTable()
+    cast_copy.cast_copy(src, dsts, table.get(src, dsts))
     want = src.to(torch.bfloat16)
     for i, d in enumerate(dsts):
         nan = torch.isnan(want[i])
@@ -27,6 +28,8 @@ def check_kernel() -> None:
         assert torch.equal(d.view(torch.int16)[~nan], want[i].view(torch.int16)[~nan]), i  # bit for bit
     assert (pool[:, :11] == 7).all() and (pool[:, 11 + n:] == 7).all()  # nothing written outside
     assert not cast_copy.usable(src.to(torch.float16), dsts) and not cast_copy.usable(src[:, ::2], dsts)
+    assert table.get(src.to(torch.float16), dsts) is None  # the source is checked at every push
+    assert cast_copy.PointerTable().get(src, [d.float() for d in dsts]) is None
 
 
 def check_push(ckpt: str) -> None:
