@@ -92,20 +92,21 @@ def _chunks(x: jax.Array, size: int) -> jax.Array:
 
 
 def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_length: int, chunk_size: int,
-                      with_entropy: bool = True, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                      with_entropy: bool = True, temperature: float = 1.0, remat: bool = True) -> tuple[jax.Array, jax.Array]:
     """Log-probs (and entropies) of the response tokens under softmax(logits / temperature), [b, r]
     float32 (the distribution the rollout engine samples from). The vocabulary projection runs over
     chunks of `chunk_size` response tokens under remat, so no [b, r, vocab] float32 tensor is ever
-    materialised, forward or backward."""
+    materialised, forward or backward (`remat=False`: the backward pass keeps each chunk's logits
+    instead of computing them again: one vocabulary matmul less per token, [b, r, vocab] float32 kept)."""
     r = response_length
-    hidden = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"])
+    hidden = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"],
+                          batch.get("segment_starts"))
     if "gather_idx" in batch:  # packed rows (jaxppo/packing.py): the states before each response-token slot
         r = batch["gather_idx"].shape[-1]
         h, targets = _chunks(_gather_packed(hidden, batch["gather_idx"]), chunk_size), _chunks(batch["targets"], chunk_size)
     else:
         h, targets = _chunks(hidden[:, -r - 1:-1], chunk_size), _chunks(batch["input_ids"][:, -r:], chunk_size)
 
-    @jax.checkpoint
     def one(h_c, t_c):
         logits = module.apply({"params": params}, h_c, method="logits").astype(jnp.float32)
         if temperature != 1.0:
@@ -115,7 +116,8 @@ def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_len
         ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if with_entropy else jnp.zeros_like(lp)
         return lp, ent
 
-    lp, ent = jax.lax.map(lambda xs: one(*xs), (h, targets))
+    head = jax.checkpoint(one) if remat else one
+    lp, ent = jax.lax.map(lambda xs: head(*xs), (h, targets))
     unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)[:, :r]
     return unchunk(lp), unchunk(ent)
 
@@ -129,7 +131,8 @@ def _gather_packed(x: jax.Array, gather_idx: jax.Array) -> jax.Array:
 
 def response_values(module: nn.Module, params: Any, batch: Batch, response_length: int) -> jax.Array:
     """Critic values at the states before each response token, [b, r] float32."""
-    values = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"])
+    values = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"],
+                          batch.get("segment_starts"))
     if "gather_idx" in batch:
         return _gather_packed(values, batch["gather_idx"])
     return values[:, -response_length - 1:-1]
@@ -208,9 +211,14 @@ class _Base:
         return _Ctx(self.mesh)
 
     def init_state(self, params: Any) -> TrainState:
+        """Optimizer state created in the parameters' shardings (Adam's moments sharded like their
+        parameters: left to the partitioner, zeros that depend on no input come out replicated)."""
+        whole = NamedSharding(self.mesh, P())
+        shardings = optax.tree_map_params(self.tx, lambda _, p: p.sharding, jax.eval_shape(self.tx.init, params),
+                                          params, transform_non_params=lambda _: whole)
         with self._ctx():
-            opt_state = jax.jit(self.tx.init)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # on the mesh, like outputs
+            opt_state = jax.jit(self.tx.init, out_shardings=shardings)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), whole)  # on the mesh, like outputs
         return TrainState(params, opt_state, step)
 
     def _n_micro(self, b: int, per_device: int) -> int:
@@ -268,10 +276,11 @@ class _Base:
         packed = pack(batch, self.response_length, budget, local, what)
         while k > 1:  # every process the same shapes: repeat with the largest until all agree (they only grow)
             keys = dist.gather_rows(np.array([packed.shape_key]))
-            n, s, row = (int(v) for v in keys.max(0))
-            if (keys == (n, s, row)).all():
+            n, s, row, runs = (int(v) for v in keys.max(0))
+            if (keys == (n, s, row, runs)).all():
                 break
-            packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s, row_len=row)
+            packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s, row_len=row,
+                          min_runs=runs)
         return packed
 
     def shard_packed(self, packed) -> Batch:
@@ -404,7 +413,7 @@ class ActorEngine(_Base):
 
     def _logprobs(self, params, batch, with_entropy=True):
         return response_logprobs(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
-                                 with_entropy, self.temperature)
+                                 with_entropy, self.temperature, self.cfg.logprob_remat)
 
     def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
         """Per-token log-probs (and entropies, zeros unless asked) of the response tokens, [b, r]; for a

@@ -12,13 +12,15 @@ per-sequence aggregation modes need).
 
 Shapes are bucketed so the number of compiled programs stays bounded: the number of micro-batches is
 exact up to 8 and then rounded up to a quarter of its power of two (10, 12, 14, 16, 20, ...; empty rows
-compute nothing useful: at most ~1/8 is wasted), and so is the number of response-token slots per row.
+compute nothing useful: at most ~1/8 is wasted), and so are the number of response-token slots per row
+and the number of runs per row (its sequences and the unused tail: cuDNN attends within each run).
 The row length is a multiple of budget / 8 (at least the longest sequence): of those, the one that
 computes the fewest tokens (rows x length) after rounding the rows up, so a batch that would fill
 4.4 rows of the budget is packed into 5 shorter rows instead of 5 full-length ones with one nearly
-empty. Sequences are assigned to rows by first-fit decreasing (the longest first, each into the first
-row with room), which keeps the rows near-full and the batch shards equally loaded (every shard gets
-one row per micro-batch).
+empty. The row count comes from first-fit decreasing (the longest first, each into the first row with
+room); the sequences are then spread over those rows so each holds about the same number of response
+tokens (the slots are the most any row holds), unless that does not fit or is not better. Every batch
+shard gets one row per micro-batch.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class Packed:
       gather_idx       [n_micro, shards, slots]  in-row position of the state before each response token
       targets, response_mask, token_weight and the SEQ_KEYS arrays   [n_micro, shards, slots]
       seq_count        [n_micro, shards]          sequences with a response token in each row
+      segment_starts   [n_micro, shards, runs]    start column of each run of equal segment ids (the
+                                                  sequences, then the unused tail), -1 after the last
     Response tokens are laid flat (`slots` per row, the row's response tokens first, then padding), so
     the vocabulary projection runs on response tokens only. `token_weight` is 1 / (the token's sequence's
     response length), what `seq-mean-token-mean` needs when rows are not sequences."""
@@ -74,9 +78,10 @@ class Packed:
     response_length: int
 
     @property
-    def shape_key(self) -> tuple[int, int, int]:
-        """(micro-batches, slots per row, row length): what a compiled program depends on."""
-        return self.arrays["gather_idx"].shape[0], self.arrays["gather_idx"].shape[2], self.arrays["input_ids"].shape[2]
+    def shape_key(self) -> tuple[int, int, int, int]:
+        """(micro-batches, slots per row, row length, runs per row): what a compiled program depends on."""
+        a = self.arrays
+        return a["gather_idx"].shape[0], a["gather_idx"].shape[2], a["input_ids"].shape[2], a["segment_starts"].shape[2]
 
     def unpack(self, x: np.ndarray, batch_size: int) -> np.ndarray:
         """[n_micro, shards, slots] per-slot outputs -> [batch_size, r] in the padded batch's layout."""
@@ -108,6 +113,23 @@ def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[list[int]]:
     return bins
 
 
+def balance_responses(lengths: np.ndarray, responses: np.ndarray, n_rows: int, capacity: int) -> list[list[int]] | None:
+    """Bins for exactly `n_rows` rows of `capacity` tokens that spread the response tokens evenly (the
+    vocabulary projection runs on the most a row holds): longest sequence first, each into the row with
+    the fewest response tokens that has room. None if a sequence finds no room."""
+    bins: list[list[int]] = [[] for _ in range(n_rows)]
+    room, resp = [capacity] * n_rows, [0] * n_rows
+    for i in sorted(range(len(lengths)), key=lambda k: (-int(lengths[k]), -int(responses[k]))):
+        fits = [r for r in range(n_rows) if room[r] >= lengths[i]]
+        if not fits:
+            return None
+        r = min(fits, key=lambda r: (resp[r], -room[r]))
+        bins[r].append(i)
+        room[r] -= int(lengths[i])
+        resp[r] += int(responses[i])
+    return bins
+
+
 def row_lengths(budget: int) -> list[int]:
     """The row lengths `pack` may choose for a token budget, longest first."""
     return sorted({-(-budget * k // ROW_STEPS) for k in range(1, ROW_STEPS + 1)}, reverse=True)
@@ -128,7 +150,7 @@ def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int,
 
 def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards: int,
          what: str = "actor.ppo_max_token_len_per_device", min_micro: int = 1, min_slots: int = 1,
-         row_len: int | None = None) -> Packed:
+         row_len: int | None = None, min_runs: int = 1) -> Packed:
     """Pack a padded host batch (see jaxppo/engine.py for the layout) into rows of at most `budget`
     tokens (`row_len`: exactly that long; min_*, row_len: what other processes need)."""
     ids, seg = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
@@ -141,14 +163,22 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     if too_long.size:
         i = int(too_long[0])
         raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than {what} = {budget}")
-    bins, n_micro, row = _layout(lengths, budget, shards, min_micro, row_len)
+    bins, n_micro, width = _layout(lengths, budget, shards, min_micro, row_len)
     bins += [[] for _ in range(n_micro * shards - len(bins))]
     rmask = np.asarray(batch["response_mask"]) > 0
     rlen = rmask.sum(1)
-    slots = max(bucket(max(1, max(int(rlen[m].sum()) for m in bins))), min_slots)
+    most = lambda bs: max(1, max(int(rlen[m].sum()) for m in bs))  # noqa: E731
+    even = balance_responses(lengths, rlen, len(bins), width)  # the same rows, fewer slots if it fits
+    if even is not None and most(even) < most(bins):
+        bins = even
+    slots = max(bucket(most(bins)), min_slots)
     rows = n_micro * shards
+    # runs of a row: its sequences, then the unused tail (if any); an empty row is one run
+    n_runs = [len(m) + int(int(lengths[m].sum()) < width) for m in bins]
+    runs = max(bucket(max(n_runs)), min_runs)
+    starts = np.full((rows, runs), -1, np.int32)
 
-    out_ids, out_seg, out_pos = (np.zeros((rows, row), np.int32) for _ in range(3))
+    out_ids, out_seg, out_pos = (np.zeros((rows, width), np.int32) for _ in range(3))
     gather, targets = np.zeros((rows, slots), np.int32), np.zeros((rows, slots), np.int32)
     slot_mask, weight = np.zeros((rows, slots), np.float32), np.zeros((rows, slots), np.float32)
     slot_seq, slot_pos = np.full((rows, slots), -1, np.int64), np.zeros((rows, slots), np.int64)
@@ -174,19 +204,24 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
             for key in per_tok:
                 per_tok[key][row, k] = batch[key][i, js]
             seq_count[row] += js.size > 0
+            starts[row, s] = off
             off, slot = off + n, slot + js.size
+        if off < width:
+            starts[row, len(members)] = off
     shaped = lambda x: x.reshape((n_micro, shards) + x.shape[1:])  # noqa: E731
     arrays = {"input_ids": shaped(out_ids), "attention_mask": shaped(out_seg), "positions": shaped(out_pos),
               "gather_idx": shaped(gather), "targets": shaped(targets), "response_mask": shaped(slot_mask),
               "token_weight": shaped(weight), "seq_count": shaped(seq_count)}
+    arrays["segment_starts"] = shaped(starts)
     arrays.update({k: shaped(v) for k, v in per_tok.items()})
     return Packed(arrays, slot_seq, slot_pos, bins, r)
 
 
 def max_programs(batch_size: int, budget: int, shards: int) -> int:
-    """Bound on the distinct (micro-batches, slots, row length) shapes `pack` can produce for batches of
-    `batch_size` sequences: the buckets up to the worst case of each."""
-    return len(buckets_upto(math.ceil(batch_size / shards))) * len(buckets_upto(budget)) * len(row_lengths(budget))
+    """Bound on the distinct (micro-batches, slots, row length, runs) shapes `pack` can produce for batches
+    of `batch_size` sequences: the buckets up to the worst case of each."""
+    return (len(buckets_upto(math.ceil(batch_size / shards))) * len(buckets_upto(budget)) * len(row_lengths(budget))
+            * len(buckets_upto(batch_size + 1)))
 
 
-__all__ = ["Packed", "pack", "first_fit_decreasing", "max_programs", "row_lengths", "SEQ_KEYS"]
+__all__ = ["Packed", "pack", "first_fit_decreasing", "balance_responses", "max_programs", "row_lengths", "SEQ_KEYS"]

@@ -101,7 +101,7 @@ class PPOTrainer:
 
         kw = dict(mesh=self.mesh, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
                   remat=cfg.model.remat, attention_impl=attention_impl(cfg), random_init=cfg.model.random_init,
-                  attention_window=self.P + self.R)
+                  attention_window=self.P + self.R, scan_unroll=cfg.model.scan_unroll)
         self.actor_module, actor_params, self.model_cfg = load_model(self.model_dir, **kw)
         a, c = cfg.actor, cfg.critic
         n_seq = cfg.data.train_batch_size * self.n

@@ -9,6 +9,11 @@ Lengths: prompts uniform in [60, 200]; responses log-normal (median 110 tokens, 
 `--budget` tokens (first-fit decreasing, block-diagonal attention, bucketed shapes). Both do one
 `ActorEngine.update` per mini-batch of all `--seqs` sequences (fp32 master weights, bf16 compute, full
 remat); median over `--steps`. Prints a table and one JSON line per configuration.
+
+`--attention` (GPU): `cudnn` attends within each sequence through cuDNN's packed (ragged) layout;
+`cudnn_mask` is the former layout (cuDNN with a [row, row] mask as a bias), to compare against.
+`--check` (first model): log-probs and one update's loss / gradient norm of each attention against XLA's
+attention with the dense mask, padded and packed, on the same parameters.
 """
 
 from __future__ import annotations
@@ -67,6 +72,33 @@ def timed(engine, state, batch, steps):
     return state, float(np.median(times)), float(m["pg_loss"])
 
 
+def check(name: str, engines: dict, params, batch: dict, packed) -> list[dict]:
+    """Each attention against XLA's with the dense mask (engines["xla"]), same parameters: max |log-prob
+    difference| over response tokens (padded and packed) and one update's pg_loss / grad_norm."""
+    m = batch["response_mask"] > 0
+    n = m.shape[0]
+    out, ref = [], {}
+    for impl, engine in engines.items():
+        lp_pad = np.asarray(engine.logprobs(params, engine.shard_batch(batch))[0])
+        lp_pack = packed.unpack(np.asarray(engine.logprobs(params, engine.shard_packed(packed))[0]), n)
+        res = {"lp_padded": lp_pad, "lp_packed": lp_pack}
+        for layout, dev in (("padded", engine.shard_batch(batch)), ("packed", engine.shard_packed(packed))):
+            _, metrics = engine.update(engine.init_state(jax.tree.map(jnp.copy, params)), dev)
+            res[layout] = {k: float(metrics[k]) for k in ("pg_loss", "grad_norm")}
+        if impl == "xla":
+            ref = res
+        row = {"check": impl, "model": name, "against": "xla (dense mask)",
+               "max_abs_logprob_diff_padded": float(np.abs(res["lp_padded"] - ref["lp_padded"])[m].max()),
+               "max_abs_logprob_diff_packed": float(np.abs(res["lp_packed"] - ref["lp_packed"])[m].max()),
+               "mean_abs_logprob_diff_packed": float(np.abs(res["lp_packed"] - ref["lp_packed"])[m].mean()),
+               "finite": bool(np.isfinite(res["lp_packed"][m]).all() and np.isfinite(res["lp_padded"][m]).all()),
+               **{f"{layout}_{k}": v for layout in ("padded", "packed") for k, v in res[layout].items()},
+               **{f"xla_{layout}_{k}": v for layout in ("padded", "packed") for k, v in ref[layout].items()}}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-0.5b")
@@ -76,45 +108,57 @@ def main(argv=None) -> int:
     p.add_argument("--dist", default="lognormal", choices=["lognormal", "uniform"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--remat", default="full")
+    p.add_argument("--attention", default=None, help="comma list: cudnn, cudnn_mask, xla (default: cudnn on GPU)")
+    p.add_argument("--check", action="store_true", help="parity of each attention with XLA's (first model)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     mesh = make_mesh({"data": -1})
     shards = jax.device_count()
-    impl = "cudnn" if jax.default_backend() == "gpu" else None
+    impls = (args.attention or ("cudnn" if jax.default_backend() == "gpu" else "xla")).split(",")
     print(f"device: {jax.devices()[0].device_kind} x{shards}  jax {jax.__version__}")
     rows = []
-    for name in args.model.split(","):
+    acfg = ActorConfig(ppo_micro_batch_size_per_device=args.micro, log_prob_micro_batch_size_per_device=args.micro,
+                       logprob_chunk_size=512, optim=OptimConfig(lr=1e-6))
+    for k, name in enumerate(args.model.split(",")):
         cfg = SHAPES[name]
-        module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat, attention_impl=impl,
-                             attention_window=P_MAX + R_MAX)
-        params = init_params(module, jax.random.PRNGKey(0), param_shardings(abstract_params(module), mesh))
+        build = lambda impl: build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat,  # noqa: E731
+                                         attention_impl=None if impl == "xla" else impl, attention_window=P_MAX + R_MAX)
+        params = init_params(build("xla"), jax.random.PRNGKey(0), param_shardings(abstract_params(build("xla")), mesh))
         batch = gsm8k_like_batch(cfg.vocab_size, args.seqs, args.dist)
         useful = int(batch["attention_mask"].sum())
-        acfg = ActorConfig(ppo_micro_batch_size_per_device=args.micro, logprob_chunk_size=512,
-                           optim=OptimConfig(lr=1e-6))
-        engine = ActorEngine(module, mesh, acfg, R_MAX)
-        state = engine.init_state(params)
-        state, t_pad, loss_pad = timed(engine, state, engine.shard_batch(batch), args.steps)
-        base = {"model": name, "seqs": args.seqs, "dist": args.dist, "useful_tokens": useful,
-                "device": jax.devices()[0].device_kind}
-        rows.append({**base, "layout": "padded", "row_tokens": P_MAX + R_MAX, "micro_per_device": args.micro,
-                     "step_s": t_pad, "useful_tokens_per_s": useful / t_pad, "computed_tokens": args.seqs * (P_MAX + R_MAX),
-                     "pg_loss": loss_pad})
-        print(json.dumps(rows[-1]))
-        for budget in (int(b) for b in args.budget.split(",")):
-            packed = pack(batch, R_MAX, budget, shards)
-            state, t_pack, loss_pack = timed(engine, state, engine.shard_packed(packed), args.steps)
-            n_micro, _, row = packed.shape_key
-            rows.append({**base, "layout": "packed", "budget": budget, "row_tokens": row, "micro_batches": n_micro,
-                         "rows_used": sum(1 for m in packed.members if m), "step_s": t_pack,
-                         "useful_tokens_per_s": useful / t_pack, "computed_tokens": n_micro * shards * row,
-                         "speedup_vs_padded": t_pad / t_pack, "pg_loss": loss_pack})
-            print(json.dumps(rows[-1]))
-        del engine, state, params
-    print(f"\n{'model':14} {'layout':7} {'budget':>6} {'row':>5} {'step_s':>8} {'useful tok/s':>13} {'computed/useful':>16} {'speedup':>8}")
+        budgets = [int(b) for b in args.budget.split(",")]
+        if args.check and k == 0:
+            rows += check(name, {i: ActorEngine(build(i), mesh, acfg, R_MAX) for i in ["xla"] + impls}, params, batch,
+                          pack(batch, R_MAX, budgets[-1], shards))
+        for impl in impls:
+            engine = ActorEngine(build(impl), mesh, acfg, R_MAX)
+            state = engine.init_state(jax.tree.map(jnp.copy, params))
+            state, t_pad, loss_pad = timed(engine, state, engine.shard_batch(batch), args.steps)
+            base = {"model": name, "seqs": args.seqs, "dist": args.dist, "useful_tokens": useful, "attention": impl,
+                    "remat": args.remat, "device": jax.devices()[0].device_kind}
+            rows.append({**base, "layout": "padded", "row_tokens": P_MAX + R_MAX, "micro_per_device": args.micro,
+                         "step_s": t_pad, "useful_tokens_per_s": useful / t_pad,
+                         "computed_tokens": args.seqs * (P_MAX + R_MAX), "pg_loss": loss_pad})
+            print(json.dumps(rows[-1]), flush=True)
+            for budget in budgets:
+                packed = pack(batch, R_MAX, budget, shards)
+                state, t_pack, loss_pack = timed(engine, state, engine.shard_packed(packed), args.steps)
+                n_micro, _, row, runs = packed.shape_key
+                rows.append({**base, "layout": "packed", "budget": budget, "row_tokens": row, "micro_batches": n_micro,
+                             "runs_per_row": runs, "rows_used": sum(1 for m in packed.members if m), "step_s": t_pack,
+                             "useful_tokens_per_s": useful / t_pack, "computed_tokens": n_micro * shards * row,
+                             "speedup_vs_padded": t_pad / t_pack, "pg_loss": loss_pack})
+                print(json.dumps(rows[-1]), flush=True)
+            del engine, state
+        del params
+    print(f"\n{'model':14} {'attention':10} {'layout':7} {'budget':>6} {'row':>5} {'step_s':>8} {'useful tok/s':>13} "
+          f"{'computed/useful':>16} {'speedup':>8}")
     for r in rows:
-        print(f"{r['model']:14} {r['layout']:7} {r.get('budget', r['row_tokens']):6d} {r['row_tokens']:5d} {r['step_s']:8.3f} {r['useful_tokens_per_s']:13.0f} "
-              f"{r['computed_tokens'] / r['useful_tokens']:16.2f} {r.get('speedup_vs_padded', 1.0):8.2f}")
+        if "step_s" not in r:
+            continue
+        print(f"{r['model']:14} {r['attention']:10} {r['layout']:7} {r.get('budget', r['row_tokens']):6d} {r['row_tokens']:5d} "
+              f"{r['step_s']:8.3f} {r['useful_tokens_per_s']:13.0f} {r['computed_tokens'] / r['useful_tokens']:16.2f} "
+              f"{r.get('speedup_vs_padded', 1.0):8.2f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     return 0

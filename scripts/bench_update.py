@@ -52,7 +52,7 @@ def bench_jax(cfg, args, batch_np) -> dict:
                          scan_unroll=args.unroll)
     params = init_params(module, jax.random.PRNGKey(0), param_shardings(abstract_params(module), mesh))
     acfg = ActorConfig(ppo_micro_batch_size_per_device=args.micro or args.batch // jax.device_count(),
-                       logprob_chunk_size=args.chunk, optim=OptimConfig(lr=1e-6))
+                       logprob_chunk_size=args.chunk, logprob_remat=bool(args.head_remat), optim=OptimConfig(lr=1e-6))
     engine = ActorEngine(module, mesh, acfg, args.seq // 2)
     state = engine.init_state(params)
     batch = engine.shard_batch(batch_np)
@@ -78,7 +78,7 @@ def bench_jax(cfg, args, batch_np) -> dict:
             jax.block_until_ready(m)
         traces = find_traces(d)
         if traces:
-            out["profile"] = summarise(load_events(traces[-1]), top=20)
+            out["profile"] = summarise(load_events(traces[-1]), top=40)
             print_summary(out["profile"])
     return out
 
@@ -138,6 +138,7 @@ def in_subprocess(fw: str, name: str, args) -> dict:
     cmd = [sys.executable, __file__, "--only", fw, "--model", name, "--batch", str(args.batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--micro", str(args.micro), "--chunk", str(args.chunk),
            "--remat", args.remat, "--unroll", str(args.unroll), "--torch-ckpt", str(args.torch_ckpt),
+           "--head-remat", str(args.head_remat),
            "--workdir", args.workdir]
     cmd += ["--profile", args.profile] if args.profile else []
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (response tokens)")
     p.add_argument("--remat", default="full")
     p.add_argument("--unroll", type=int, default=1, help="JAX: decoder layers per iteration of the layer scan")
+    p.add_argument("--head-remat", type=int, default=1,
+                   help="JAX: recompute the log-prob chunks' logits in the backward pass (1) or keep them (0)")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--only", choices=["jax", "torch"], default=None, help=argparse.SUPPRESS)  # internal
     p.add_argument("--profile", default=None, help="dir: trace one more JAX step and summarise it")
@@ -187,6 +190,8 @@ def main(argv=None) -> int:
             remat = args.remat if fw == "jax" else ("checkpointing" if args.torch_ckpt else "none")
             if fw == "jax" and args.unroll > 1:
                 remat += f", unroll {args.unroll}"
+            if fw == "jax" and not args.head_remat:
+                remat += ", head kept"
             row = {"model": name, "framework": fw, "remat": remat, "batch": args.batch, "seq": args.seq, "tokens_per_s": tps,
                    "mfu": fpt * tps / (peak * jax.device_count()), "flops_per_token": fpt,
                    "peak_tflops": peak / 1e12, "device": jax.devices()[0].device_kind, **r}
@@ -194,9 +199,9 @@ def main(argv=None) -> int:
             print(json.dumps(row))
         if "torch" in results:
             print(f"{name}: jax/torch tokens/s = {results['torch']['step_s'] / results['jax']['step_s']:.2f}x")
-    print(f"\n{'model':14} {'fw':6} {'remat':14} {'step_s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8}")
+    print(f"\n{'model':14} {'fw':6} {'remat':24} {'step_s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8}")
     for r in rows:
-        print(f"{r['model']:14} {r['framework']:6} {r['remat']:14} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%} "
+        print(f"{r['model']:14} {r['framework']:6} {r['remat']:24} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%} "
               f"{r['peak_mem_gb']:8.1f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))

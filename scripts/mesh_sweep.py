@@ -12,7 +12,8 @@ runs in its own process (clean compile caches and peak-memory counters). Phases,
 values (critic forward), update_critic, update_actor: one mini-batch of `--batch` sequences of `--seq`
 tokens (half prompt, half response), fp32 master weights, bf16 compute, `--remat`. Median over
 `--steps`. MFU: (6N + attention) FLOPs per token of the actor update over the measured bf16 matmul
-peak times the devices used.
+peak times the devices used. `--actor-only`: the critic's phases are left out (a 7B actor and critic
+with fp32 masters and AdamW do not fit on two H200s).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def run_one(args) -> dict:
     kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat, attention_impl=impl)
     actor_mod, critic_mod = build_model(cfg, **kw), build_model(cfg, "value", **kw)
     a_params = init_params(actor_mod, jax.random.PRNGKey(0), param_shardings(abstract_params(actor_mod), mesh))
-    c_params = init_params(critic_mod, jax.random.PRNGKey(1), param_shardings(abstract_params(critic_mod), mesh))
+    c_params = None if args.actor_only else init_params(critic_mod, jax.random.PRNGKey(1),
+                                                        param_shardings(abstract_params(critic_mod), mesh))
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = args.micro_per_device or max(args.batch // shards // args.micro_batches, 1)
     resp = args.seq // 2
@@ -75,8 +77,7 @@ def run_one(args) -> dict:
     host = synthetic_batch(cfg, args.batch, args.seq, resp)
     host.update(values=np.zeros((args.batch, resp), np.float32), returns=np.ones((args.batch, resp), np.float32))
     batch = actor.shard_batch(host)
-    a_state, c_state = actor.init_state(a_params), critic.init_state(c_params)
-    state = {"a": a_state, "c": c_state}
+    state = {"a": actor.init_state(a_params), "c": None if args.actor_only else critic.init_state(c_params)}
 
     def upd_a():
         state["a"], m = actor.update(state["a"], batch)
@@ -89,6 +90,8 @@ def run_one(args) -> dict:
     phases = {"old_log_prob": lambda: actor.logprobs(state["a"].params, batch),
               "values": lambda: critic.values(state["c"].params, batch),
               "update_critic": upd_c, "update_actor": upd_a}
+    if args.actor_only:
+        phases = {k: v for k, v in phases.items() if k in ("old_log_prob", "update_actor")}
     times = {}
     for name, fn in phases.items():
         jax.block_until_ready(fn())  # compile
@@ -116,7 +119,7 @@ def run_one(args) -> dict:
     return {"model": args.model, "mesh": args.one, "devices": n_dev, "batch": args.batch, "seq": args.seq,
             "micro_per_device": micro,
             "step_s": step, **{f"{k}_s": v for k, v in times.items()}, "tokens_per_s": tokens / step,
-            "update_tokens_per_s": tokens / (times["update_actor"] + times["update_critic"]),
+            "update_tokens_per_s": tokens / (times["update_actor"] + times.get("update_critic", 0.0)),
             "mfu_actor": train_flops_per_token(cfg, args.seq) * tokens / times["update_actor"] / (peak * n_dev),
             "peak_mem_gb_per_device": mem / 2**30, "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, **({"profile": profile} if profile else {})}
@@ -135,6 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--remat", default="full")
     p.add_argument("--profile", default=None, help="dir: trace one more of each phase per mesh, summarise it")
+    p.add_argument("--actor-only", action="store_true", help="leave out the critic's phases")
     p.add_argument("--json-out", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one mesh, print JSON
     args = p.parse_args(argv)
@@ -146,7 +150,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mesh, "--model", args.model, "--batch",
                str(args.batch), "--seq", str(args.seq), "--micro-batches", str(args.micro_batches),
                "--micro-per-device", str(args.micro_per_device), "--steps",
-               str(args.steps), "--remat", args.remat] + (["--profile", args.profile] if args.profile else [])
+               str(args.steps), "--remat", args.remat] + (["--profile", args.profile] if args.profile else []) \
+            + (["--actor-only"] if args.actor_only else [])
         res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
         if res.returncode != 0 or not line:
@@ -163,8 +168,8 @@ def main(argv=None) -> int:
             print(f"{r['mesh']:18} failed")
             continue
         rel = r["update_tokens_per_s"] / base["update_tokens_per_s"] if base else float("nan")
-        print(f"{r['mesh']:18} {r['devices']:3d} {r['step_s']:7.3f} {r['old_log_prob_s']:7.3f} {r['values_s']:7.3f} "
-              f"{r['update_critic_s']:8.3f} {r['update_actor_s']:8.3f} {r['tokens_per_s']:9.0f} "
+        print(f"{r['mesh']:18} {r['devices']:3d} {r['step_s']:7.3f} {r['old_log_prob_s']:7.3f} {r.get('values_s', 0):7.3f} "
+              f"{r.get('update_critic_s', 0):8.3f} {r['update_actor_s']:8.3f} {r['tokens_per_s']:9.0f} "
               f"{r['update_tokens_per_s']:10.0f} {rel:8.2f} {r['mfu_actor']:6.1%} {r['peak_mem_gb_per_device']:8.1f}")
     if args.profile:
         from scripts.trace_summary import print_summary

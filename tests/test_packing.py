@@ -151,7 +151,7 @@ def test_row_length_computes_fewest_tokens():
     for seed in range(30):
         batch = random_batch(101, 16, seed=seed)
         packed, full = pack(batch, R, budget, shards=2), pack(batch, R, budget, shards=2, row_len=budget)
-        n, _, row = packed.shape_key
+        n, _, row, _ = packed.shape_key
         longest = int((batch["attention_mask"] > 0).sum(1).max())
         assert row in row_lengths(budget) and longest <= row <= budget
         assert packed.arrays["input_ids"].shape[2] == row and full.shape_key[2] == budget
@@ -186,3 +186,26 @@ def test_trainer_step_packed_equals_padded(tmp_path):
     for k in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
               "critic/vf_loss", "critic/grad_norm", "critic/values/mean", "rollout/logprob_diff_mean"):
         assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
+def test_response_tokens_spread_over_rows():
+    """The slots (vocabulary-projection width) are the most response tokens any row holds: spreading the
+    sequences by response tokens never needs more slots than first-fit decreasing, fewer on some batches,
+    and keeps every row within its length."""
+    from jaxppo.packing import _layout, bucket
+
+    fewer = 0
+    for seed in range(30):
+        batch = random_batch(101, 32, seed=seed)
+        lengths = (batch["attention_mask"] > 0).sum(1)
+        rlen = (batch["response_mask"] > 0).sum(1)
+        packed = pack(batch, R, budget=64, shards=2)
+        n, slots, row, _ = packed.shape_key
+        bins, _, _ = _layout(lengths, 64, 2, 1, None)
+        ffd_slots = bucket(max(int(rlen[m].sum()) for m in bins))
+        per_row = packed.arrays["response_mask"].reshape(n * 2, slots).sum(-1)
+        assert slots == bucket(int(per_row.max())) <= ffd_slots
+        assert (packed.arrays["attention_mask"] > 0).reshape(n * 2, row).sum(-1).max() <= row
+        assert sorted(i for m in packed.members for i in m) == list(range(32))
+        fewer += slots < ffd_slots
+    assert fewer > 0

@@ -123,6 +123,44 @@ def attention_mask_4d(segment_ids: Int[Array, "b t"]) -> jax.Array:
     return mask[:, None, :, :]
 
 
+def segment_runs(segment_ids: Int[Array, "b t"]) -> Int[Array, "b 3"]:
+    """Start columns of the runs of an unpacked row (left padding, the sequence, right padding), -1 for an
+    empty run. The engine's rows are one contiguous sequence (prompt left-padded, response right-padded);
+    a row with more runs than that has its starts poisoned (-2), which the attention turns into NaN."""
+    t = segment_ids.shape[-1]
+    valid = segment_ids > 0
+    n = jnp.sum(valid, axis=-1)
+    first = jnp.where(n > 0, jnp.argmax(valid, axis=-1), 0)
+    changes = jnp.sum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=-1)
+    starts = jnp.stack([jnp.zeros_like(first), first, first + n], axis=-1)
+    ends = jnp.stack([first, first + n, jnp.full_like(first, t)], axis=-1)
+    starts = jnp.where(ends > starts, starts, -1).astype(jnp.int32)
+    expected = jnp.where(n > 0, (first > 0).astype(jnp.int32) + (first + n < t), 0)  # id changes of one run
+    return jnp.where((changes != expected)[:, None], -2, starts)
+
+
+def ragged_layout(starts: Int[Array, "b m"], t: int) -> tuple[jax.Array, jax.Array]:
+    """Run starts [b, m] (-1: none) -> cuDNN's packed layout: (seqlen [b, m], offsets [b, m + 1]), -1 filled.
+    Every column of a row must lie in some run (padding runs included), so no output is left unwritten."""
+    nxt = jnp.concatenate([starts[:, 1:], jnp.full_like(starts[:, :1], -1)], axis=-1)
+    end = jnp.where(nxt >= 0, nxt, t)
+    lens = jnp.where(starts >= 0, end - starts, -1).astype(jnp.int32)
+    offsets = jnp.concatenate([starts, jnp.full_like(starts[:, :1], -1)], axis=-1).astype(jnp.int32)
+    return lens, offsets
+
+
+def cudnn_segment_attention(q, k, v, seqlen, offsets, poisoned):
+    """Causal attention within each run of a row through cuDNN's packed (ragged) layout: work is the sum of
+    the runs' squared lengths, not the row's, and no [t, t] mask or bias exists (a bias would also make
+    cuDNN compute its gradient). JAX exposes the offsets only in its cuDNN module."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    out = dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
+                                kv_offsets=offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
+                                qkv_layout="BTNH")
+    return jnp.where(poisoned[:, None, None, None], jnp.nan, out)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Any
@@ -132,6 +170,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, mask, cos, sin):
+        """`mask`: [b, 1, t, t] boolean (XLA), or (seqlen, offsets, poisoned) of the runs (cuDNN)."""
         c = self.cfg
         b, t, _ = x.shape
         lin = dict(dtype=self.dtype, param_dtype=self.param_dtype)
@@ -144,9 +183,13 @@ class Attention(nn.Module):
         q = nn.with_logical_constraint(q, ("batch", "seq", "act_heads", None))
         # is_causal + a left window let cuDNN skip whole blocks (above the diagonal; further back than
         # the longest sequence in a packed row); `mask` keeps segments and padding apart within them
-        window = (self.window - 1, 0) if self.window is not None and self.window < t else None
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window,
-                                           implementation=self.attention_impl)
+        if isinstance(mask, tuple):
+            out = cudnn_segment_attention(q, k, v, *mask)
+        else:
+            window = (self.window - 1, 0) if self.window is not None and self.window < t else None
+            impl = "cudnn" if self.attention_impl == "cudnn_mask" else self.attention_impl
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window,
+                                               implementation=impl)
         out = out.reshape(b, t, c.num_attention_heads * c.head_dim)
         # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v bias does not.
         o_bias = c.attention_bias and c.family == "llama"
@@ -196,7 +239,7 @@ class Decoder(nn.Module):
     remat: str = "none"
     attention_impl: str | None = None
     attention_window: int | None = None
-    scan_unroll: int = 1  # layers per iteration of the layer loop
+    scan_unroll: int = 1  # layers per iteration of the layer loop; 0: all (no loop at run time)
 
     def setup(self):
         c = self.cfg
@@ -206,17 +249,28 @@ class Decoder(nn.Module):
             block = nn.remat(block, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
         self.layers = nn.scan(
             block, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers, unroll=self.scan_unroll,
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+            unroll=self.scan_unroll or c.num_hidden_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.dtype, self.param_dtype, self.attention_impl, self.attention_window)
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
 
     def __call__(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
-                 segment_ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
-        """`segment_ids`: 0 for padding, k > 0 for the k-th sequence of a row (1 everywhere unpacked)."""
+                 segment_ids: Int[Array, "b t"], segment_starts: Int[Array, "b m"] | None = None) -> Float[Array, "b t d"]:
+        """`segment_ids`: 0 for padding, k > 0 for the k-th sequence of a row (1 everywhere unpacked).
+        `segment_starts`: the start column of every run of equal segment ids in a row, padding runs
+        included, -1 after the last (packed rows, jaxppo/packing.py); None: one sequence per row (the
+        engine's padded layout). With `attention_impl="cudnn"` the runs are attended to as cuDNN's packed
+        layout; otherwise through a [t, t] mask (XLA, or `"cudnn_mask"`: cuDNN with the mask as a bias, the
+        former layout, kept to compare against)."""
         x = nn.with_logical_constraint(self.embed_tokens(input_ids), ("batch", "seq", "act_embed"))
         cos, sin = rope_tables(positions, jnp.asarray(self.cfg.inv_freq(), jnp.float32))
-        x, _ = self.layers(x, attention_mask_4d(segment_ids), cos, sin)
+        if self.attention_impl == "cudnn":
+            starts = segment_runs(segment_ids) if segment_starts is None else segment_starts
+            mask = ragged_layout(starts, segment_ids.shape[-1]) + (jnp.any(starts < -1, axis=-1),)
+        else:
+            mask = attention_mask_4d(segment_ids)
+        x, _ = self.layers(x, mask, cos, sin)
         return self.norm(x)
 
 
@@ -239,16 +293,16 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(self.cfg.vocab_size, ("vocab", "embed"), dtype=self.dtype,
                                   param_dtype=self.param_dtype)
 
-    def __call__(self, input_ids, positions, segment_ids):
-        return self.model(input_ids, positions, segment_ids)
+    def __call__(self, input_ids, positions, segment_ids, segment_starts=None):
+        return self.model(input_ids, positions, segment_ids, segment_starts)
 
     def logits(self, hidden: Float[Array, "... d"]) -> Float[Array, "... v"]:
         if self.cfg.tie_word_embeddings:
             return self.model.embed_tokens.attend(hidden)
         return self.lm_head(hidden)
 
-    def forward_logits(self, input_ids, positions, segment_ids):
-        return self.logits(self(input_ids, positions, segment_ids))
+    def forward_logits(self, input_ids, positions, segment_ids, segment_starts=None):
+        return self.logits(self(input_ids, positions, segment_ids, segment_starts))
 
 
 class ValueModel(nn.Module):
@@ -268,6 +322,6 @@ class ValueModel(nn.Module):
                              self.attention_window, self.scan_unroll)
         self.score = Linear(1, ("score", "embed"), self.score_bias, dtype=self.dtype, param_dtype=self.param_dtype)
 
-    def __call__(self, input_ids, positions, segment_ids) -> Float[Array, "b t"]:
-        hidden = self.model(input_ids, positions, segment_ids)
+    def __call__(self, input_ids, positions, segment_ids, segment_starts=None) -> Float[Array, "b t"]:
+        hidden = self.model(input_ids, positions, segment_ids, segment_starts)
         return self.score(hidden)[..., 0].astype(jnp.float32)
