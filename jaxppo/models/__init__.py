@@ -29,7 +29,8 @@ def build_model(cfg: ModelConfig, head: str = "lm", *, dtype: Any = jnp.float32,
                 attention_window: int | None = None, scan_unroll: int = 1) -> nn.Module:
     """The Flax module for `cfg`: `CausalLM` for head "lm", `ValueModel` for head "value".
     `attention_window`: the longest sequence the model will see; rows longer than that (packed) attend
-    only that far back, which lets cuDNN skip blocks."""
+    only that far back, which lets cuDNN skip blocks when attention goes through a mask
+    (`attention_impl="cudnn_mask"`; `"cudnn"` attends within each sequence without one)."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat {remat!r} unknown; known: {sorted(REMAT_POLICIES)}")
     kw = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention_impl=attention_impl,

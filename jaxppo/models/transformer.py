@@ -181,8 +181,8 @@ class Attention(nn.Module):
         k = apply_rope(k.reshape(b, t, c.num_key_value_heads, c.head_dim), cos, sin)
         v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
         q = nn.with_logical_constraint(q, ("batch", "seq", "act_heads", None))
-        # is_causal + a left window let cuDNN skip whole blocks (above the diagonal; further back than
-        # the longest sequence in a packed row); `mask` keeps segments and padding apart within them
+        # cuDNN's packed layout attends within each run; with a mask (XLA, cudnn_mask), is_causal + a left
+        # window let cuDNN skip whole blocks and the mask keeps segments and padding apart within them
         if isinstance(mask, tuple):
             out = cudnn_segment_attention(q, k, v, *mask)
         else:
