@@ -79,11 +79,12 @@ def check(name: str, engines: dict, params, batch: dict, packed) -> list[dict]:
     n = m.shape[0]
     out, ref = [], {}
     for impl, engine in engines.items():
-        lp_pad = np.asarray(engine.logprobs(params, engine.shard_batch(batch))[0])
-        lp_pack = packed.unpack(np.asarray(engine.logprobs(params, engine.shard_packed(packed))[0]), n)
+        dev = {"padded": engine.shard_batch(batch), "packed": engine.shard_packed(packed)}
+        lp_pad = np.asarray(engine.logprobs(params, dev["padded"])[0])
+        lp_pack = packed.unpack(np.asarray(engine.logprobs(params, dev["packed"])[0]), n)
         res = {"lp_padded": lp_pad, "lp_packed": lp_pack}
-        for layout, dev in (("padded", engine.shard_batch(batch)), ("packed", engine.shard_packed(packed))):
-            _, metrics = engine.update(engine.init_state(jax.tree.map(jnp.copy, params)), dev)
+        for layout in ("padded", "packed"):
+            _, metrics = engine.update(engine.init_state(jax.tree.map(jnp.copy, params)), dev[layout])
             res[layout] = {k: float(metrics[k]) for k in ("pg_loss", "grad_norm")}
         if impl == "xla":
             ref = res
@@ -123,7 +124,8 @@ def main(argv=None) -> int:
         cfg = SHAPES[name]
         build = lambda impl: build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat,  # noqa: E731
                                          attention_impl=None if impl == "xla" else impl, attention_window=P_MAX + R_MAX)
-        params = init_params(build("xla"), jax.random.PRNGKey(0), param_shardings(abstract_params(build("xla")), mesh))
+        reference = build("xla")
+        params = init_params(reference, jax.random.PRNGKey(0), param_shardings(abstract_params(reference), mesh))
         batch = gsm8k_like_batch(cfg.vocab_size, args.seqs, args.dist)
         useful = int(batch["attention_mask"].sum())
         budgets = [int(b) for b in args.budget.split(",")]

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--micro", type=int, default=0, help="micro-batch per device (0: the whole batch)")
     p.add_argument("--chunk", type=int, default=512, help="log-prob chunk (response tokens)")
     p.add_argument("--remat", default="full")
-    p.add_argument("--unroll", type=int, default=1, help="JAX: decoder layers per iteration of the layer scan")
+    p.add_argument("--unroll", type=int, default=1, help="JAX: decoder layers per iteration of the layer scan (0: all)")
     p.add_argument("--head-remat", type=int, default=1,
                    help="JAX: recompute the log-prob chunks' logits in the backward pass (1) or keep them (0)")
     p.add_argument("--no-torch", action="store_true")
@@ -188,8 +188,8 @@ def main(argv=None) -> int:
         for fw, r in results.items():
             tps = tokens / r["step_s"]
             remat = args.remat if fw == "jax" else ("checkpointing" if args.torch_ckpt else "none")
-            if fw == "jax" and args.unroll > 1:
-                remat += f", unroll {args.unroll}"
+            if fw == "jax" and args.unroll != 1:
+                remat += f", unroll {args.unroll or 'all'}"
             if fw == "jax" and not args.head_remat:
                 remat += ", head kept"
             row = {"model": name, "framework": fw, "remat": remat, "batch": args.batch, "seq": args.seq, "tokens_per_s": tps,

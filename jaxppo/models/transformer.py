@@ -126,7 +126,7 @@ def attention_mask_4d(segment_ids: Int[Array, "b t"]) -> jax.Array:
 def segment_runs(segment_ids: Int[Array, "b t"]) -> Int[Array, "b 3"]:
     """Start columns of the runs of an unpacked row (left padding, the sequence, right padding), -1 for an
     empty run. The engine's rows are one contiguous sequence (prompt left-padded, response right-padded);
-    a row with more runs than that has its starts poisoned (-2), which the attention turns into NaN."""
+    a row with more runs than that has its starts poisoned (-2), which the decoder turns into NaN states."""
     t = segment_ids.shape[-1]
     valid = segment_ids > 0
     n = jnp.sum(valid, axis=-1)
@@ -149,16 +149,15 @@ def ragged_layout(starts: Int[Array, "b m"], t: int) -> tuple[jax.Array, jax.Arr
     return lens, offsets
 
 
-def cudnn_segment_attention(q, k, v, seqlen, offsets, poisoned):
+def cudnn_segment_attention(q, k, v, seqlen, offsets):
     """Causal attention within each run of a row through cuDNN's packed (ragged) layout: work is the sum of
     the runs' squared lengths, not the row's, and no [t, t] mask or bias exists (a bias would also make
     cuDNN compute its gradient). JAX exposes the offsets only in its cuDNN module."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-    out = dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
-                                kv_offsets=offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
-                                qkv_layout="BTNH")
-    return jnp.where(poisoned[:, None, None, None], jnp.nan, out)
+    return dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
+                                 kv_offsets=offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
+                                 qkv_layout="BTNH")
 
 
 class Attention(nn.Module):
@@ -170,7 +169,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, mask, cos, sin):
-        """`mask`: [b, 1, t, t] boolean (XLA), or (seqlen, offsets, poisoned) of the runs (cuDNN)."""
+        """`mask`: [b, 1, t, t] boolean (XLA), or (seqlen, offsets) of the runs (cuDNN)."""
         c = self.cfg
         b, t, _ = x.shape
         lin = dict(dtype=self.dtype, param_dtype=self.param_dtype)
@@ -267,7 +266,10 @@ class Decoder(nn.Module):
         cos, sin = rope_tables(positions, jnp.asarray(self.cfg.inv_freq(), jnp.float32))
         if self.attention_impl == "cudnn":
             starts = segment_runs(segment_ids) if segment_starts is None else segment_starts
-            mask = ragged_layout(starts, segment_ids.shape[-1]) + (jnp.any(starts < -1, axis=-1),)
+            mask = ragged_layout(starts, segment_ids.shape[-1])
+            # a poisoned row (not the layout its starts describe) is NaN from its first state on: the
+            # residual stream carries the NaN through every layer, and nothing crosses rows
+            x = jnp.where(jnp.any(starts < -1, axis=-1)[:, None, None], jnp.nan, x)
         else:
             mask = attention_mask_4d(segment_ids)
         x, _ = self.layers(x, mask, cos, sin)
