@@ -45,6 +45,11 @@ def test_logprob_head_kept_or_recomputed_same_gradients(tiny_qwen):
             return jnp.sum(lp * w) + 0.1 * jnp.sum(ent), (lp, ent)
         return jax.grad(loss, has_aux=True)(params)
 
+    def has_remat(remat):  # the option really changes the program: a checkpoint only when recomputing
+        jaxpr = jax.make_jaxpr(lambda p: response_logprobs(module, p, batch, r, chunk_size=4, remat=remat))(params)
+        return "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
+
+    assert has_remat(True) and not has_remat(False)
     (g0, (lp0, e0)), (g1, (lp1, e1)) = run(True), run(False)
     np.testing.assert_allclose(lp1, lp0, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(e1, e0, rtol=1e-6, atol=1e-6)
