@@ -92,8 +92,10 @@ class ActorConfig:
     logprob_remat: bool = True  # recompute each chunk's logits in the backward pass (false: keep them, ~4 bytes x vocab per response token)
     log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
     use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding (jaxppo/packing.py)
-    ppo_max_token_len_per_device: int = 16384  # packed: at most this many tokens per device per update micro-batch
-    log_prob_max_token_len_per_device: int = 16384  # packed: at most this many tokens per device per forward micro-batch
+    # packed: at most this many tokens per device per update micro-batch; 0: the largest that fits the memory
+    # plan (jaxppo/memory.py; 16384 when the card is unknown)
+    ppo_max_token_len_per_device: int = 0
+    log_prob_max_token_len_per_device: int = 0  # packed: the same for forward micro-batches; 0: auto
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
 
 
@@ -107,8 +109,8 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"  # as actor.loss_agg_mode
     log_prob_micro_batch_size_per_device: int = 8  # sequences per device per forward-only micro-batch
     use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding
-    ppo_max_token_len_per_device: int = 32768  # packed: at most this many tokens per device per update micro-batch
-    forward_max_token_len_per_device: int = 32768  # packed: at most this many tokens per device per forward micro-batch
+    ppo_max_token_len_per_device: int = 0  # packed: tokens per device per update micro-batch; 0: auto (as the actor's)
+    forward_max_token_len_per_device: int = 0  # packed: tokens per device per forward micro-batch; 0: auto
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
 
@@ -123,7 +125,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vLLM's share of the card (GPU memory plan)
     enforce_eager: bool = False  # vLLM: no CUDA graphs
     cudagraph_mode: Optional[str] = None  # vLLM's compilation_config.cudagraph_mode (e.g. PIECEWISE); None: vLLM's
-    free_cache_engine: bool = True  # sleep the engine during training (GPU)
+    free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,14 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # KL penalty in the token rewards
     kl_penalty: str = "kl"  # estimator for the in-reward KL
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    num_workers: int = 0  # processes scoring rule rewards (0: in the trainer's process)
+    timeout_s: float = 30.0  # per sample: past it the sample scores 0, counted in reward/errors (0: no limit)
+    # with model.reward_model_path: replace (the reward model's score is the reward, as verl does) | add (rule + model)
+    reward_model_combine: str = "replace"
 
 
 FSDP_GATHER = ("layer", "update")  # mesh.fsdp_gather
@@ -179,6 +189,8 @@ class TrainerConfig:
     experiment_name: str = "default"  # for loggers
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])  # + wandb
     seed: int = 0  # rollout sampling and init seed
+    device_memory_gb: float = 0.0  # accelerator memory the memory plan is checked against (0: the device's own)
+    compilation_cache_dir: str = "~/.cache/jaxppo/xla"  # JAX's persistent compilation cache ("": off)
     critic_warmup: int = 0  # steps updating only the critic
     sft_warmup_steps: int = 0  # supervised warm start steps on extra_info.answer (synthetic task)
     sft_lr: float = 1e-3  # learning rate of the warm start
@@ -200,6 +212,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -307,72 +320,141 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def validate(cfg: Config, num_devices: int | None = None) -> None:
-    """Invalid combinations, caught before any work starts."""
+# closed sets of values, by key (one table: validate() checks each; the registries' names are added there)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+ROLLOUT_ENGINES = ("hf", "vllm")  # bridge.engines registers these (a test keeps the two in step)
+CUDAGRAPH_MODES = (None, "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")  # vLLM's names
+CLOSED_SETS: dict[str, tuple] = {
+    "data.prompt_format": ("chat", "raw"),
+    "model.dtype": DTYPE_NAMES,
+    "model.param_dtype": DTYPE_NAMES,
+    "model.remat": ("none", "full", "dots", "dots_attn"),
+    "model.attention_impl": (None, "xla", "cudnn", "cudnn_mask"),
+    "actor.optim.lr_schedule": ("constant", "cosine"),
+    "critic.optim.lr_schedule": ("constant", "cosine"),
+    "rollout.engine": ROLLOUT_ENGINES,
+    "rollout.cudagraph_mode": CUDAGRAPH_MODES,
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "reward.reward_model_combine": ("replace", "add"),
+    "mesh.fsdp_gather": FSDP_GATHER,
+    "mesh.grad_reduce_dtype": GRAD_REDUCE_DTYPES,
+    "trainer.early_stop_mode": ("max", "min"),
+}
+
+
+def _registry_sets() -> dict[str, tuple]:
+    """Closed sets whose values come from registries and module constants."""
     from jaxppo.data import TRUNCATION_MODES
     from jaxppo.ppo import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
 
+    return {"data.truncation": tuple(TRUNCATION_MODES),
+            "actor.loss_agg_mode": tuple(LOSS_AGG_MODES), "critic.loss_agg_mode": tuple(LOSS_AGG_MODES),
+            "actor.kl_loss_type": tuple(KL_ESTIMATORS.names()),
+            "algorithm.kl_penalty": tuple(k for k in KL_ESTIMATORS.names() if k != "full"),
+            "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS.names())}
+
+
+def _get(cfg: Config, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Every invalid value or combination, caught before any work starts (no directory, data or model is
+    touched): closed sets of values, ranges, and the size relations the engine would otherwise assert."""
     def check(ok: bool, msg: str):
         if not ok:
             raise ConfigError(msg)
 
+    for key, known in {**CLOSED_SETS, **_registry_sets()}.items():
+        value = _get(cfg, key)
+        check(value in known, f"{key} {value!r} unknown; known: {[k for k in known if k is not None]}"
+              + (" (or unset)" if None in known else ""))
+    for name in cfg.trainer.logger:
+        check(name in LOGGERS, f"trainer.logger entry {name!r} unknown; known: {list(LOGGERS)}")
     a, c, d, r = cfg.actor, cfg.critic, cfg.data, cfg.rollout
     check(d.train_batch_size > 0, "data.train_batch_size must be positive")
+    check(d.val_batch_size > 0, "data.val_batch_size must be positive")
+    check(d.max_prompt_length > 0 and d.max_response_length > 0,
+          "data.max_prompt_length and data.max_response_length must be positive")
     for name, sub in (("actor", a), ("critic", c)):
         check(sub.ppo_mini_batch_size <= d.train_batch_size,
               f"{name}.ppo_mini_batch_size ({sub.ppo_mini_batch_size}) is larger than data.train_batch_size "
               f"({d.train_batch_size})")
-        check(d.train_batch_size % sub.ppo_mini_batch_size == 0,
+        check(sub.ppo_mini_batch_size > 0 and d.train_batch_size % sub.ppo_mini_batch_size == 0,
               f"{name}.ppo_mini_batch_size ({sub.ppo_mini_batch_size}) does not divide data.train_batch_size "
               f"({d.train_batch_size})")
-        check(sub.loss_agg_mode in LOSS_AGG_MODES, f"{name}.loss_agg_mode {sub.loss_agg_mode!r} unknown; known: "
-              f"{list(LOSS_AGG_MODES)}")
         check(sub.ppo_epochs >= 1, f"{name}.ppo_epochs must be >= 1")
-    check(cfg.algorithm.adv_estimator in ADVANTAGE_ESTIMATORS, f"algorithm.adv_estimator "
-          f"{cfg.algorithm.adv_estimator!r} unknown; known: {ADVANTAGE_ESTIMATORS.names()}")
-    check(cfg.algorithm.kl_penalty in KL_ESTIMATORS and cfg.algorithm.kl_penalty != "full",
-          f"algorithm.kl_penalty {cfg.algorithm.kl_penalty!r} unknown; known: "
-          f"{[k for k in KL_ESTIMATORS.names() if k != 'full']}")
-    check(a.kl_loss_type in KL_ESTIMATORS, f"actor.kl_loss_type {a.kl_loss_type!r} unknown; known: "
-          f"{KL_ESTIMATORS.names()}")
-    check(cfg.algorithm.kl_ctrl.type in ("fixed", "adaptive"), "algorithm.kl_ctrl.type must be fixed or adaptive")
-    check(d.truncation in TRUNCATION_MODES, f"data.truncation {d.truncation!r} unknown; known: {list(TRUNCATION_MODES)}")
+        check(sub.ppo_micro_batch_size_per_device >= 1 and sub.log_prob_micro_batch_size_per_device >= 1,
+              f"{name}'s micro-batch sizes must be >= 1")
+        check(sub.optim.lr >= 0 and sub.optim.grad_clip > 0, f"{name}.optim.lr must be >= 0 and grad_clip > 0")
     check(r.n >= 1, "rollout.n must be >= 1")
-    check(cfg.model.remat in ("none", "full", "dots", "dots_attn"), f"model.remat {cfg.model.remat!r} unknown; known: "
-          "['dots', 'dots_attn', 'full', 'none']")
+    check(r.temperature >= 0, "rollout.temperature must be >= 0 (0: greedy)")
+    check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    check(r.top_k == -1 or r.top_k > 0, f"rollout.top_k must be -1 (off) or positive, got {r.top_k}")
+    check(0 < r.gpu_memory_utilization < 0.95, f"rollout.gpu_memory_utilization must be in (0, 0.95), got "
+          f"{r.gpu_memory_utilization}")
+    check(a.logprob_chunk_size >= 1, "actor.logprob_chunk_size must be >= 1")
+    check(a.tis_threshold is None or a.tis_threshold > 0, "actor.tis_threshold must be positive (or unset)")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo"):
+        check(r.n >= 2, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each prompt's responses: "
+              "set rollout.n >= 2")
+    check(cfg.reward.num_workers >= 0 and cfg.reward.timeout_s >= 0,
+          "reward.num_workers and reward.timeout_s must be >= 0")
     check(cfg.model.scan_unroll >= 0, f"model.scan_unroll must be >= 0 (0: all layers), got {cfg.model.scan_unroll}")
-    check(cfg.model.attention_impl in (None, "xla", "cudnn", "cudnn_mask"),
-          f"model.attention_impl {cfg.model.attention_impl!r} unknown; known: [None, 'xla', 'cudnn', 'cudnn_mask']")
     seq_len = d.max_prompt_length + d.max_response_length
     for name, sub, keys in (("actor", a, ("ppo_max_token_len_per_device", "log_prob_max_token_len_per_device")),
                             ("critic", c, ("ppo_max_token_len_per_device", "forward_max_token_len_per_device"))):
-        for key in keys if sub.use_dynamic_bsz else ():
-            check(getattr(sub, key) >= seq_len, f"{name}.{key} ({getattr(sub, key)}) is smaller than one sequence "
-                  f"(data.max_prompt_length + data.max_response_length = {seq_len})")
+        for key in keys:
+            v = getattr(sub, key)
+            check(v == 0 or v >= seq_len, f"{name}.{key} ({v}) is smaller than one sequence (data.max_prompt_length "
+                  f"+ data.max_response_length = {seq_len}); 0 picks the largest budget that fits")
     t = cfg.trainer
     from jaxppo import health
 
     for msg in health.validate(t.health):
         check(False, msg)
+    check(t.total_epochs >= 1, "trainer.total_epochs must be >= 1")
+    check(t.total_training_steps is None or t.total_training_steps >= 1, "trainer.total_training_steps must be >= 1")
+    check(t.critic_warmup >= 0, "trainer.critic_warmup must be >= 0")
+    check(t.max_to_keep >= 1, "trainer.max_to_keep must be >= 1")
     check(t.max_bad_steps >= 1, "trainer.max_bad_steps must be >= 1")
-    check(t.early_stop_mode in ("max", "min"), "trainer.early_stop_mode must be max or min")
+    check(t.device_memory_gb >= 0, "trainer.device_memory_gb must be >= 0 (0: the device's own)")
     check(t.early_stop_patience == 0 or t.test_freq > 0,
           "trainer.early_stop_patience needs validation: set trainer.test_freq > 0")
     check(t.early_stop_patience >= 0, "trainer.early_stop_patience must be >= 0")
     check(all(s >= 1 for s in t.profile_steps), "trainer.profile_steps are 1-based step numbers")
-    check(cfg.mesh.fsdp_gather in FSDP_GATHER, f"mesh.fsdp_gather must be one of {list(FSDP_GATHER)}, got "
-          f"{cfg.mesh.fsdp_gather!r}")
+    check(t.resume_mode in ("auto", "disable") or Path(t.resume_mode).exists(),
+          f"trainer.resume_mode must be auto, disable or an existing checkpoint path; {t.resume_mode!r} does not exist")
     check(cfg.mesh.fsdp_gather == "layer" or cfg.mesh.tensor == 1, "mesh.fsdp_gather=update needs mesh.tensor=1")
-    check(cfg.mesh.grad_reduce_dtype in GRAD_REDUCE_DTYPES, f"mesh.grad_reduce_dtype must be one of "
-          f"{list(GRAD_REDUCE_DTYPES)}, got {cfg.mesh.grad_reduce_dtype!r}")
+    for key, path in (("model.path", cfg.model.path), ("model.critic_path", cfg.model.critic_path),
+                      ("model.reward_model_path", cfg.model.reward_model_path)):
+        check(path is None or (Path(path) / "config.json").is_file(), f"{key}: {path}/config.json not found")
     if num_devices is not None:
         from jaxppo.sharding import resolve_mesh_shape
 
         sizes = resolve_mesh_shape(cfg.mesh.axes(), num_devices)
         batch_shards = sizes["data"] * sizes["fsdp"]
+        check(cfg.mesh.grad_reduce_dtype == "float32" or sizes["tensor"] == 1 and (
+            sizes["fsdp"] == 1 or cfg.mesh.fsdp_gather == "update") and batch_shards > 1,
+            f"mesh.grad_reduce_dtype={cfg.mesh.grad_reduce_dtype} applies where each device holds whole parameters "
+            f"(mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this mesh is {sizes}")
+        seqs_step = d.train_batch_size * r.n
+        uses_critic = cfg.algorithm.adv_estimator == "gae"
         for name, sub in (("actor", a), ("critic", c)):
+            if name == "critic" and not uses_critic:
+                continue
             micro = sub.ppo_micro_batch_size_per_device * batch_shards
             seqs = sub.ppo_mini_batch_size * r.n
-            check(seqs % micro == 0, f"{name}.ppo_micro_batch_size_per_device ({sub.ppo_micro_batch_size_per_device})"
-                  f" x {batch_shards} batch shards = {micro} sequences does not divide the mini-batch of "
-                  f"{seqs} sequences ({name}.ppo_mini_batch_size x rollout.n)")
+            check(sub.use_dynamic_bsz or seqs % micro == 0,
+                  f"{name}.ppo_micro_batch_size_per_device ({sub.ppo_micro_batch_size_per_device}) x {batch_shards} "
+                  f"batch shards = {micro} sequences does not divide the mini-batch of {seqs} sequences "
+                  f"({name}.ppo_mini_batch_size x rollout.n)")
+            fwd = sub.log_prob_micro_batch_size_per_device * batch_shards
+            check(sub.use_dynamic_bsz or seqs_step % fwd == 0,
+                  f"{name}.log_prob_micro_batch_size_per_device ({sub.log_prob_micro_batch_size_per_device}) x "
+                  f"{batch_shards} batch shards = {fwd} sequences does not divide the step's {seqs_step} sequences "
+                  f"(data.train_batch_size x rollout.n)")

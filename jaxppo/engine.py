@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, Int
 
 from jaxppo import ppo
 from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticConfig, OptimConfig
@@ -91,35 +92,85 @@ def _chunks(x: jax.Array, size: int) -> jax.Array:
     return jnp.moveaxis(x.reshape((b, n, size) + x.shape[2:]), 1, 0)
 
 
-def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_length: int, chunk_size: int,
-                      with_entropy: bool = True, temperature: float = 1.0, remat: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Log-probs (and entropies) of the response tokens under softmax(logits / temperature), [b, r]
-    float32 (the distribution the rollout engine samples from). The vocabulary projection runs over
-    chunks of `chunk_size` response tokens under remat, so no [b, r, vocab] float32 tensor is ever
-    materialised, forward or backward (`remat=False`: the backward pass keeps each chunk's logits
-    instead of computing them again: one vocabulary matmul less per token, [b, r, vocab] float32 kept)."""
+def response_head(module: nn.Module, params: Any, batch: Batch, response_length: int, chunk_size: int,
+                  with_entropy: bool = True, temperature: float = 1.0, remat: bool = True,
+                  truncation: tuple[int, float] | None = None, ref_params: Any = None) -> dict[str, jax.Array]:
+    """Per response token, [b, r] float32 (packed: [rows, slots]), under softmax(logits / temperature) over
+    the full vocabulary (the policy being trained; the rollout engine samples from it):
+      logprobs      log-prob of the token;
+      entropy       the distribution's entropy (zeros unless `with_entropy`);
+      sampling_logprobs  (with `truncation=(top_k, top_p)`) the token's log-prob under the distribution the
+                    engines sample from: top-k, then top-p of the renormalised rest, renormalised (vLLM's
+                    `processed_logprobs`, transformers' warpers; the sampled token is always in it);
+      kl_full       (with `ref_params`) the exact KL(policy || reference) over the vocabulary, the reference
+                    run on the same batch with no gradient.
+    The vocabulary projection runs over chunks of `chunk_size` response tokens (under remat unless
+    `remat=False`, which keeps each chunk's logits for the backward pass), so no [b, r, vocab] float32 tensor
+    exists beyond one chunk."""
     r = response_length
-    hidden = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"],
-                          batch.get("segment_starts"))
+    run = lambda p: module.apply({"params": p}, batch["input_ids"], batch["positions"],  # noqa: E731
+                                 batch["attention_mask"], batch.get("segment_starts"))
+    hidden = run(params)
+    ref_hidden = None if ref_params is None else jax.lax.stop_gradient(run(ref_params))
     if "gather_idx" in batch:  # packed rows (jaxppo/packing.py): the states before each response-token slot
         r = batch["gather_idx"].shape[-1]
-        h, targets = _chunks(_gather_packed(hidden, batch["gather_idx"]), chunk_size), _chunks(batch["targets"], chunk_size)
+        pick = lambda h: _chunks(_gather_packed(h, batch["gather_idx"]), chunk_size)  # noqa: E731
+        targets = _chunks(batch["targets"], chunk_size)
     else:
-        h, targets = _chunks(hidden[:, -r - 1:-1], chunk_size), _chunks(batch["input_ids"][:, -r:], chunk_size)
+        pick = lambda h: _chunks(h[:, -r - 1:-1], chunk_size)  # noqa: E731
+        targets = _chunks(batch["input_ids"][:, -r:], chunk_size)
+    xs = (pick(hidden), targets) + (() if ref_hidden is None else (pick(ref_hidden),))
 
-    def one(h_c, t_c):
-        logits = module.apply({"params": params}, h_c, method="logits").astype(jnp.float32)
-        if temperature != 1.0:
-            logits = logits / temperature
+    def scaled_logits(p, h_c):
+        logits = module.apply({"params": p}, h_c, method="logits").astype(jnp.float32)
+        return logits / temperature if temperature != 1.0 else logits
+
+    def one(h_c, t_c, *ref_c):
+        logits = scaled_logits(params, h_c)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        lp = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0] - lse
-        ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if with_entropy else jnp.zeros_like(lp)
-        return lp, ent
+        out = {"logprobs": jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0] - lse}
+        out["entropy"] = (lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if with_entropy
+                          else jnp.zeros_like(out["logprobs"]))
+        if truncation is not None:
+            out["sampling_logprobs"] = jax.lax.stop_gradient(truncated_logprobs(logits, t_c, *truncation))
+        if ref_c:
+            lp_all = logits - lse[..., None]
+            ref_all = jax.nn.log_softmax(jax.lax.stop_gradient(scaled_logits(ref_params, ref_c[0])), axis=-1)
+            out["kl_full"] = jnp.sum(jnp.exp(lp_all) * (lp_all - ref_all), axis=-1)
+        return out
 
     head = jax.checkpoint(one) if remat else one
-    lp, ent = jax.lax.map(lambda xs: head(*xs), (h, targets))
-    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)[:, :r]
-    return unchunk(lp), unchunk(ent)
+    out = jax.lax.map(lambda x: head(*x), xs)
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)[:, :r]  # noqa: E731
+    return {k: unchunk(v) for k, v in out.items()}
+
+
+def response_logprobs(module: nn.Module, params: Any, batch: Batch, response_length: int, chunk_size: int,
+                      with_entropy: bool = True, temperature: float = 1.0, remat: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(log-probs, entropies) of the response tokens, [b, r] float32: see `response_head`."""
+    out = response_head(module, params, batch, response_length, chunk_size, with_entropy, temperature, remat)
+    return out["logprobs"], out["entropy"]
+
+
+def truncated_logprobs(logits: Float[Array, "... v"], targets: Int[Array, "..."], top_k: int = -1,
+                       top_p: float = 1.0) -> jax.Array:
+    """log-prob of `targets` under softmax(logits) restricted to the top-k tokens, then to the top-p nucleus of
+    the renormalised rest, renormalised: the rule of vLLM's sampler and transformers' TopK / TopP warpers
+    (sort ascending; drop while the cumulative probability is <= 1 - top_p; the most likely token always
+    stays). The target is always kept: it was sampled, so it was in the sampler's support."""
+    v = logits.shape[-1]
+    is_target = jnp.arange(v) == targets[..., None]
+    z = logits
+    if 0 < top_k < v:
+        kth = jax.lax.top_k(z, top_k)[0][..., -1:]
+        z = jnp.where((z >= kth) | is_target, z, -jnp.inf)
+    if top_p < 1.0:
+        zs = jnp.sort(z, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(zs, axis=-1), axis=-1)
+        drop = (cum <= 1.0 - top_p).at[..., -1].set(False)
+        threshold = jnp.min(jnp.where(drop, jnp.inf, zs), axis=-1, keepdims=True)
+        z = jnp.where((z >= threshold) | is_target, z, -jnp.inf)
+    return jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
 
 
 def _gather_packed(x: jax.Array, gather_idx: jax.Array) -> jax.Array:
@@ -289,24 +340,26 @@ class _Base:
         self.compiled_shapes.add(packed.shape_key)
         return self._to_global(packed.arrays, axis=1)
 
-    def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
+    def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch, extra: Any = None
+                    ) -> tuple[TrainState, dict]:
         """Sum gradients of micro-batch losses (already normalised by mini-batch counts) in one scan,
         then one clipped AdamW step. Metrics are summed over micro-batches (they are normalised alike).
-        A packed mini-batch (jaxppo/packing.py) arrives already split into micro-batches."""
+        A packed mini-batch (jaxppo/packing.py) arrives already split into micro-batches. `extra` (e.g. the
+        reference parameters of the exact-KL loss) reaches every micro-batch's loss unchanged."""
         micro = self._micro_batches(minibatch, self.micro_batch_per_device)
         num_tokens, num_seqs = _norms(minibatch["response_mask"])
         if "seq_count" in minibatch:  # packed rows are not sequences
             num_seqs = jnp.sum(minibatch["seq_count"])
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-        def scan_grads(params, micro, num_tokens, num_seqs):
+        def scan_grads(params, micro, num_tokens, num_seqs, extra):
             # the first micro-batch's gradients start the sum (no zero-filled accumulator to write and add)
-            (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), num_tokens, num_seqs)
+            (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), num_tokens, num_seqs, extra)
             if jax.tree.leaves(micro)[0].shape[0] == 1:
                 return grads, jax.tree.map(lambda x: x[None], (loss, metrics))
 
             def body(acc, mb):
-                (loss, metrics), grads = grad_fn(params, mb, num_tokens, num_seqs)
+                (loss, metrics), grads = grad_fn(params, mb, num_tokens, num_seqs, extra)
                 return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
             grads, rest = jax.lax.scan(body, grads, jax.tree.map(lambda x: x[1:], micro))
@@ -319,23 +372,23 @@ class _Base:
             # gathered on entry, gradients are reduce-scattered back to the parameters' shards on exit.
             specs, dtypes = self._param_specs, jax.tree.map(lambda p: p.dtype, state.params)
 
-            def local(params, micro, num_tokens, num_seqs):
+            def local(params, micro, num_tokens, num_seqs, extra):
                 # upcast: differentiate with respect to parameters of the master dtype, exactly as without
                 # the gather (bf16 -> fp32 -> bf16 is exact, and each use's cotangent is summed in fp32)
                 params = jax.tree.map(lambda p, d: p.astype(d), params, dtypes)
                 with nn.logical_axis_rules(()):  # inside: per-device arrays, no sharding constraints
-                    grads, aux = scan_grads(params, micro, num_tokens, num_seqs)
+                    grads, aux = scan_grads(params, micro, num_tokens, num_seqs, extra)
                 reduce = lambda g, s: _reduce_grad(g, s, jnp.dtype(self.grad_reduce_dtype))
                 return jax.tree.map(reduce, grads, specs), jax.lax.psum(aux, ("data", "fsdp"))
 
             micro_specs = jax.tree.map(lambda x: P(None, ("data", "fsdp")), micro)
             params = self._compute_copy(state.params) if self.gather_once else state.params
             grads, (losses, metrics) = jax.shard_map(
-                local, mesh=self.mesh, in_specs=(P(), micro_specs, P(), P()), out_specs=(specs, P()),
+                local, mesh=self.mesh, in_specs=(P(), micro_specs, P(), P(), P()), out_specs=(specs, P()),
                 check_vma=False,
-            )(params, micro, num_tokens, num_seqs)
+            )(params, micro, num_tokens, num_seqs, extra)
         else:
-            grads, (losses, metrics) = scan_grads(state.params, micro, num_tokens, num_seqs)
+            grads, (losses, metrics) = scan_grads(state.params, micro, num_tokens, num_seqs, extra)
         grad_norm = optax.global_norm(grads)
         metrics = jax.tree.map(jnp.sum, metrics)
         loss = jnp.sum(losses)
@@ -356,19 +409,19 @@ class _Base:
                        skipped=1.0 - ok.astype(jnp.float32), nonfinite=1.0 - finite.astype(jnp.float32))
         return TrainState(params, opt_state, state.step + ok.astype(state.step.dtype)), metrics
 
-    def update(self, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
+    def update(self, state: TrainState, minibatch: Batch, extra: Any = None) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch (the state's buffers are donated)."""
         if self._update_jit is None:
             self._update_jit = self._jit_step(self._loss, state)
         with self._ctx():
-            return self._update_jit(state, minibatch)
+            return self._update_jit(state, minibatch, extra)
 
     def _jit_step(self, loss_fn: Callable, state: TrainState) -> Callable:
         # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
         # P(None, None)) and the second call, seeing "different" input shardings, compiles again
         shardings = jax.tree.map(lambda x: x.sharding, state)
         self._remember_specs(state.params)
-        return jax.jit(lambda s, b: self._accumulate(loss_fn, s, b), donate_argnums=0,
+        return jax.jit(lambda s, b, e: self._accumulate(loss_fn, s, b, e), donate_argnums=0,
                        out_shardings=(shardings, None))
 
     def shard_batch(self, batch: dict[str, np.ndarray]) -> Batch:
@@ -411,26 +464,44 @@ class ActorEngine(_Base):
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
                          cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype)
 
-    def _logprobs(self, params, batch, with_entropy=True):
-        return response_logprobs(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
-                                 with_entropy, self.temperature, self.cfg.logprob_remat)
+    def _head(self, params, batch, with_entropy=True, truncation=None, ref_params=None):
+        return response_head(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
+                             with_entropy, self.temperature, self.cfg.logprob_remat, truncation, ref_params)
 
-    def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
-        """Per-token log-probs (and entropies, zeros unless asked) of the response tokens, [b, r]; for a
-        packed batch (`shard_packed`), [n_micro, slots, r] (`Packed.unpack` restores the order)."""
+    def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False,
+                 truncation: tuple[int, float] | None = None) -> tuple[jax.Array, ...]:
+        """(log-probs, entropies (zeros unless asked)) of the response tokens, [b, r]; with
+        `truncation=(top_k, top_p)` a third array: the log-probs under the distribution the rollout engine
+        samples from (`response_head`). For a packed batch (`shard_packed`), [n_micro, slots, r]
+        (`Packed.unpack` restores the order)."""
         self._remember_specs(params)
         if self._forward_jit is None:
-            self._forward_jit = jax.jit(
-                lambda p, b, e: self._forward_map(lambda pp, mb: self._logprobs(pp, mb, e), p, b), static_argnums=2)
-        with self._ctx():
-            return self._forward_jit(params, batch, with_entropy)
+            def fwd(p, b, e, trunc):
+                out = self._forward_map(lambda pp, mb: self._head(pp, mb, e, trunc), p, b)
+                return (out["logprobs"], out["entropy"]) + ((out["sampling_logprobs"],) if trunc else ())
 
-    def _loss(self, params, mb, num_tokens, num_seqs):
+            self._forward_jit = jax.jit(fwd, static_argnums=(2, 3))
+        with self._ctx():
+            return self._forward_jit(params, batch, with_entropy, truncation)
+
+    def update(self, state: TrainState, minibatch: Batch, ref_params: Any = None) -> tuple[TrainState, dict]:
+        """One optimizer step on a mini-batch; `ref_params`: the reference policy (the exact-KL loss,
+        `actor.kl_loss_type=full`, runs it on the mini-batch)."""
+        if self.cfg.use_kl_loss and self.cfg.kl_loss_type == "full" and ref_params is None:
+            raise ValueError("actor.kl_loss_type=full needs the reference parameters in the update")
+        return super().update(state, minibatch, ref_params if self.full_kl else None)
+
+    @property
+    def full_kl(self) -> bool:
+        return self.cfg.use_kl_loss and self.cfg.kl_loss_type == "full"
+
+    def _loss(self, params, mb, num_tokens, num_seqs, ref_params=None):
         c = self.cfg
         mask = mb["response_mask"]
         norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.response_length,
                     token_weight=mb.get("token_weight"))
-        logprob, entropy = self._logprobs(params, mb)
+        out = self._head(params, mb, ref_params=ref_params if self.full_kl else None)
+        logprob, entropy = out["logprobs"], out["entropy"]
         pg_loss, metrics = ppo.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask, c.clip_ratio_low,
                                            c.clip_ratio_high, c.clip_ratio_c, c.loss_agg_mode,
                                            is_weights=mb.get("is_weights"), **norm)
@@ -441,16 +512,15 @@ class ActorEngine(_Base):
         metrics = dict(metrics, pg_loss=pg_loss,
                        entropy=ppo.agg_loss(jax.lax.stop_gradient(entropy), mask, "token-mean", num_tokens=num_tokens))
         if c.use_kl_loss:
-            kl = ppo.kl_penalty(logprob, mb["ref_logprobs"], c.kl_loss_type)
+            kl = out["kl_full"] if self.full_kl else ppo.kl_penalty(logprob, mb["ref_logprobs"], c.kl_loss_type)
             kl_loss = ppo.agg_loss(kl, mask, c.loss_agg_mode, **norm)
             loss = loss + c.kl_loss_coef * kl_loss
             metrics["kl_loss"] = jax.lax.stop_gradient(kl_loss)
         return loss, metrics
 
-
-    def _sft_loss(self, params, mb, num_tokens, num_seqs):
+    def _sft_loss(self, params, mb, num_tokens, num_seqs, extra=None):
         """Supervised warm start: token-mean negative log-likelihood of the response tokens."""
-        logprob, _ = self._logprobs(params, mb, with_entropy=False)
+        logprob = self._head(params, mb, with_entropy=False)["logprobs"]
         loss = -ppo.agg_loss(logprob, mb["response_mask"], "token-mean", num_tokens=num_tokens)
         return loss, {"nll": jax.lax.stop_gradient(loss)}
 
@@ -458,7 +528,7 @@ class ActorEngine(_Base):
         if getattr(self, "_sft_jit", None) is None:
             self._sft_jit = self._jit_step(self._sft_loss, state)
         with self._ctx():
-            return self._sft_jit(state, minibatch)
+            return self._sft_jit(state, minibatch, None)
 
 
 class CriticEngine(_Base):
@@ -478,7 +548,7 @@ class CriticEngine(_Base):
         with self._ctx():
             return self._forward_jit(params, batch)
 
-    def _loss(self, params, mb, num_tokens, num_seqs):
+    def _loss(self, params, mb, num_tokens, num_seqs, extra=None):
         vpreds = response_values(self.module, params, mb, self.response_length)
         mask = mb["response_mask"]
         loss, metrics = ppo.value_loss(vpreds, mb["values"], mb["returns"], mask, self.cfg.cliprange_value,
@@ -490,4 +560,5 @@ class CriticEngine(_Base):
 
 
 __all__ = ["TrainState", "ActorEngine", "CriticEngine", "make_optimizer", "lr_schedule", "response_logprobs",
+           "response_head", "truncated_logprobs",
            "response_values", "split_micro", "merge_micro"]

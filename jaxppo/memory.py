@@ -1,18 +1,46 @@
-"""The GPU memory plan: one knob (`rollout.gpu_memory_utilization`) splits the card between vLLM and JAX.
+"""The GPU memory plan: how the card is split between vLLM and JAX, what JAX will hold, and the token
+budgets that fit — estimated from the model's shape before anything is allocated (docs/memory.md).
 
-vLLM takes `u` of the card's memory for weights + KV cache and checks at start that it is free; JAX is
-capped at `1 - u - margin` (`XLA_PYTHON_CLIENT_MEM_FRACTION`, allocated on demand rather than up front,
-`XLA_PYTHON_CLIENT_PREALLOCATE=false`), so the two never compete, whatever order they grow in. vLLM
-sleeps while JAX trains (KV cache freed, weights dropped: level 2) and wakes for generation. These
-variables must be set before JAX initialises its GPU backend, which is why `jaxppo.train` applies the
-plan before anything touches a device.
+The split: vLLM takes `rollout.gpu_memory_utilization` (u) of the card for weights + KV cache and checks at
+start that it is free; JAX is capped at 1 - u - MARGIN (`XLA_PYTHON_CLIENT_MEM_FRACTION`, allocated on demand,
+`XLA_PYTHON_CLIENT_PREALLOCATE=false`), so the two never compete whatever order they grow in. vLLM sleeps
+while JAX trains (KV cache freed, weights dropped: level 2) and wakes for generation. The variables must be
+set before JAX initialises its GPU backend, which is why `jaxppo.train` applies the plan first.
+
+What JAX holds, per device (sharded states divided by mesh.fsdp x mesh.tensor):
+  actor        fp32 master weights + AdamW's two moments (12 bytes per parameter)
+  critic       the same for the value model (no vocabulary head)
+  reference    the reference policy in the compute dtype (2 bytes per parameter in bf16)
+  gradients    the larger of the two models' fp32 gradients (one update runs at a time)
+  activations  per token of a micro-batch, by remat policy, plus the vocabulary head's logits
+  overhead     CUDA context, cuDNN / cuBLAS workspaces, batch buffers
+Activation bytes per token are empirical: per decoder layer, `ACT_PER_LAYER[remat]` hidden-sized vectors of
+the compute dtype, fitted to XLA's peaks on the H200 (Qwen2.5 0.5B / 1.5B, 8 x 1024 tokens, unrolled layers:
+dots_attn 1.23 / 1.87 MB per token measured, 1.19 / 1.92 estimated; full remat 0.84 MB per token at 1.5B
+in a critic update). A scanned layer loop holds less (1.16 MB at 1.5B, dots_attn): the estimate is an
+upper bound there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any
+
+from jaxppo.errors import ConfigError
+from jaxppo.models.config import ModelConfig
 
 MARGIN = 0.05  # CUDA context, cuBLAS / cuDNN workspaces, NCCL buffers, fragmentation
+GiB = 2**30
+OVERHEAD_BYTES = 2 * GiB  # per device, besides the components below
+ACT_PER_LAYER = {"full": 10.0, "dots": 16.0, "dots_attn": 17.0, "none": 30.0}  # hidden-sized vectors per token per layer
+FORWARD_PER_TOKEN = 25.0  # hidden-sized vectors per token of a forward-only pass (one layer's transients)
+HEAD_TEMPS = 3  # float32 [tokens, vocab] temporaries of a head chunk: logits, softmax, cotangent
+AUTO_MAX_BUDGET = 32768  # the largest token budget chosen automatically (per device per micro-batch)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ------------------------------------------------------------------ the vLLM / JAX split
 
 
 def plan(gpu_memory_utilization: float) -> dict[str, str]:
@@ -31,12 +59,235 @@ def apply(gpu_memory_utilization: float) -> dict[str, str]:
     return {k: os.environ[k] for k in env}
 
 
+def jax_fraction() -> float:
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
+def card_bytes(device_memory_gb: float = 0.0) -> float | None:
+    """The accelerator's memory: `trainer.device_memory_gb` when set (> 0), else read from the first JAX
+    device (its allocator's limit over the fraction it was given); None on CPU."""
+    if device_memory_gb > 0:
+        return device_memory_gb * GiB
+    import jax
+
+    dev = jax.local_devices()[0]
+    if dev.platform == "cpu":
+        return None
+    limit = (dev.memory_stats() or {}).get("bytes_limit")
+    return float(limit) / jax_fraction() if limit else None
+
+
+# ------------------------------------------------------------------ estimates
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBudgets:
+    """Packed tokens per device per micro-batch, by phase (the `*_max_token_len_per_device` in force)."""
+
+    actor_update: int
+    actor_forward: int
+    critic_update: int
+    critic_forward: int
+
+
+def state_bytes(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int) -> dict[str, float]:
+    """What JAX holds for the whole run, per device."""
+    m = cfg.model
+    master = DTYPE_BYTES[m.param_dtype]
+    n_actor = actor.num_params()
+    out = {"actor (weights + AdamW)": 3 * master * n_actor / shards}
+    if critic is not None:
+        n_critic = critic.num_params(with_head=False) + critic.hidden_size + 1
+        out["critic (weights + AdamW)"] = 3 * master * n_critic / shards
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        out["reference (compute dtype)"] = DTYPE_BYTES[m.dtype] * n_actor / shards
+    if cfg.mesh.fsdp_gather == "update" and cfg.mesh.fsdp > 1:
+        out["gathered compute copy"] = DTYPE_BYTES[m.dtype] * n_actor  # whole, during an update / forward pass
+    return out
+
+
+def activation_bytes(cfg: Any, model: ModelConfig, tokens: int, rows: int, training: bool, lm_head: bool) -> float:
+    """Activations of one micro-batch of `tokens` tokens in `rows` rows on one device."""
+    s = DTYPE_BYTES[cfg.model.dtype]
+    per_token = (ACT_PER_LAYER[cfg.model.remat] * model.num_hidden_layers if training else FORWARD_PER_TOKEN)
+    out = per_token * model.hidden_size * s * tokens / max(cfg.mesh.tensor, 1)
+    if lm_head:
+        a = cfg.actor
+        chunk = rows * min(a.logprob_chunk_size, cfg.data.max_response_length) * model.vocab_size * 4 * HEAD_TEMPS
+        kept = 0.0
+        if training and not a.logprob_remat:  # every response token's logits kept for the backward pass
+            kept = min(tokens, rows * cfg.data.max_response_length) * model.vocab_size * 4
+        out += chunk + kept
+    return out
+
+
+def _phase_tokens(cfg: Any, sub: Any, budget: int, per_device: int) -> tuple[int, int]:
+    """(tokens, rows) of one micro-batch on one device: a packed row of `budget` tokens, or `per_device`
+    padded sequences."""
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if sub.use_dynamic_bsz:
+        return budget, 1
+    return per_device * seq, per_device
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    components: dict[str, float]  # bytes per device, the peak phase's
+    peak_phase: str
+    jax_limit: float | None  # bytes JAX may use per device (None: unknown card)
+    card: float | None
+    vllm_bytes: float | None  # vLLM's share of the card
+    vllm_needs: float  # weights + a full batch's KV cache + activations and graphs
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.jax_limit is None or self.total <= self.jax_limit
+
+    def table(self) -> str:
+        gb = lambda b: f"{b / GiB:7.1f} GiB"  # noqa: E731
+        lines = [f"memory plan per device (peak phase: {self.peak_phase}):"]
+        lines += [f"  {k:<32}{gb(v)}" for k, v in self.components.items()]
+        lines.append(f"  {'JAX total':<32}{gb(self.total)}")
+        if self.card:
+            lines.append(f"  {'JAX limit':<32}{gb(self.jax_limit)}  ({self.jax_limit / self.card:.2f} of a "
+                         f"{self.card / GiB:.0f} GiB card)")
+            lines.append(f"  {'vLLM share':<32}{gb(self.vllm_bytes)}  (needs about {self.vllm_needs / GiB:.1f} GiB: "
+                         f"weights, the batch's KV cache, graphs)")
+        return "\n".join(lines)
+
+
+def vllm_needs(cfg: Any, model: ModelConfig) -> float:
+    """Weights in the compute dtype, the KV cache of a whole step's sequences at full length, and ~1.5 GiB of
+    activations, CUDA graphs and allocator slack."""
+    d = cfg.data
+    s = DTYPE_BYTES[cfg.model.dtype]
+    kv_per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * s
+    seqs = d.train_batch_size * cfg.rollout.n
+    return model.num_params() * s + kv_per_token * seqs * (d.max_prompt_length + d.max_response_length) + 1.5 * GiB
+
+
+def estimate(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int, card: float | None,
+             budgets: TokenBudgets) -> MemoryEstimate:
+    """JAX's peak per device over the step's phases (forward passes, critic update, actor update)."""
+    fixed = state_bytes(cfg, actor, critic, shards)
+    master = DTYPE_BYTES[cfg.model.param_dtype]
+    phases = {}
+    a, c = cfg.actor, cfg.critic
+    t, r = _phase_tokens(cfg, a, budgets.actor_forward, a.log_prob_micro_batch_size_per_device)
+    phases["actor forward"] = {"activations (actor forward)": activation_bytes(cfg, actor, t, r, False, True)}
+    t, r = _phase_tokens(cfg, a, budgets.actor_update, a.ppo_micro_batch_size_per_device)
+    phases["actor update"] = {"gradients (actor, fp32)": master * actor.num_params() / shards,
+                              "activations (actor update)": activation_bytes(cfg, actor, t, r, True, True)}
+    if critic is not None:
+        t, r = _phase_tokens(cfg, c, budgets.critic_forward, c.log_prob_micro_batch_size_per_device)
+        phases["critic forward"] = {"activations (critic forward)": activation_bytes(cfg, critic, t, r, False, False)}
+        t, r = _phase_tokens(cfg, c, budgets.critic_update, c.ppo_micro_batch_size_per_device)
+        phases["critic update"] = {"gradients (critic, fp32)": master * critic.num_params(with_head=False) / shards,
+                                   "activations (critic update)": activation_bytes(cfg, critic, t, r, True, False)}
+    peak = max(phases, key=lambda k: sum(phases[k].values()))
+    comps = dict(fixed, **phases[peak], overhead=float(OVERHEAD_BYTES))
+    u = cfg.rollout.gpu_memory_utilization
+    vllm = cfg.rollout.engine == "vllm"
+    limit = None
+    if card is not None:
+        limit = (1.0 - u - MARGIN) * card if vllm else jax_fraction() * card
+    return MemoryEstimate(comps, peak, limit, card, u * card if (card and vllm) else None,
+                          vllm_needs(cfg, actor) if vllm else 0.0)
+
+
+def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int,
+                  card: float | None) -> TokenBudgets:
+    """The token budgets in force: a user's (> 0) as given, else (0: auto) the largest multiple of 1024 up to
+    AUTO_MAX_BUDGET whose phase fits JAX's share of the card beside the run's states (or AUTO_MAX_BUDGET's
+    half, 16384, when the card is unknown)."""
+    a, c = cfg.actor, cfg.critic
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    fixed = sum(state_bytes(cfg, actor, critic, shards).values()) + OVERHEAD_BYTES
+    master = DTYPE_BYTES[cfg.model.param_dtype]
+    limit = None
+    if card is not None:
+        u = cfg.rollout.gpu_memory_utilization if cfg.rollout.engine == "vllm" else 1.0 - jax_fraction() - MARGIN
+        limit = (1.0 - u - MARGIN) * card
+
+    def pick(given: int, model: ModelConfig, training: bool, lm_head: bool) -> int:
+        if given > 0:
+            return given
+        if limit is None:
+            return AUTO_MAX_BUDGET // 2
+        grads = master * model.num_params(with_head=lm_head) / shards if training else 0.0
+        best = 0
+        for budget in range(1024, AUTO_MAX_BUDGET + 1, 1024):
+            if fixed + grads + activation_bytes(cfg, model, budget, 1, training, lm_head) <= limit:
+                best = budget
+        return max(best, seq)  # at least one sequence: if even that does not fit, the estimate says so
+
+    critic_model = critic or actor
+    return TokenBudgets(actor_update=pick(a.ppo_max_token_len_per_device, actor, True, True),
+                        actor_forward=pick(a.log_prob_max_token_len_per_device, actor, False, True),
+                        critic_update=pick(c.ppo_max_token_len_per_device, critic_model, True, False),
+                        critic_forward=pick(c.forward_max_token_len_per_device, critic_model, False, False))
+
+
+def check(cfg: Any, est: MemoryEstimate, budgets: TokenBudgets) -> None:
+    """A configuration that cannot fit raises ConfigError (exit 2) saying what to change."""
+    if est.card is None:
+        return
+    advice = []
+    if not est.fits:
+        over = est.total - est.jax_limit
+        advice.append(f"JAX needs about {est.total / GiB:.1f} GiB per device at its peak ({est.peak_phase}) but may "
+                      f"use {est.jax_limit / GiB:.1f} GiB ({over / GiB:.1f} GiB over)")
+        act = next((k for k in est.components if k.startswith("activations")), None)
+        sub = "actor" if "actor" in est.peak_phase else "critic"
+        key = ("ppo_max_token_len_per_device" if "update" in est.peak_phase else
+               ("log_prob_max_token_len_per_device" if sub == "actor" else "forward_max_token_len_per_device"))
+        if act and getattr(cfg, sub).use_dynamic_bsz:
+            advice.append(f"lower {sub}.{key} (now {getattr(budgets, est.peak_phase.replace(' ', '_'))}; 0 picks the "
+                          f"largest that fits)")
+        elif act:
+            advice.append(f"lower {sub}.ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device, or "
+                          f"pack sequences ({sub}.use_dynamic_bsz=true)")
+        if est.vllm_bytes:
+            advice.append(f"lower rollout.gpu_memory_utilization (now {cfg.rollout.gpu_memory_utilization}: "
+                          f"{est.vllm_bytes / GiB:.1f} GiB for vLLM, which needs about {est.vllm_needs / GiB:.1f})")
+        advice.append("or shard the states over more devices (mesh.fsdp)")
+    if est.vllm_bytes is not None and est.vllm_bytes < est.vllm_needs * 0.5:
+        advice.append(f"vLLM's share ({est.vllm_bytes / GiB:.1f} GiB, rollout.gpu_memory_utilization="
+                      f"{cfg.rollout.gpu_memory_utilization}) cannot hold the weights and a useful KV cache (about "
+                      f"{est.vllm_needs / GiB:.1f} GiB for the whole batch): raise it")
+    if advice:
+        raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(advice) + "\n" + est.table())
+
+
+def plan_for_config(cfg: Any, num_devices: int) -> tuple[MemoryEstimate, TokenBudgets] | None:
+    """The memory estimate and token budgets of a config, from the model directories' config.json alone
+    (nothing loaded or allocated); None for the embedded default (its tiny model is made at start)."""
+    if cfg.model.path is None:
+        return None
+    from jaxppo.models.config import load_config as load_model_config
+    from jaxppo.sharding import resolve_mesh_shape
+
+    actor, _ = load_model_config(cfg.model.path)
+    critic = None
+    if cfg.algorithm.adv_estimator == "gae":
+        critic = load_model_config(cfg.model.critic_path)[0] if cfg.model.critic_path else actor
+    sizes = resolve_mesh_shape(cfg.mesh.axes(), num_devices)
+    shards = sizes["fsdp"] * sizes["tensor"]
+    card = card_bytes(cfg.trainer.device_memory_gb)
+    budgets = token_budgets(cfg, actor, critic, shards, card)
+    return estimate(cfg, actor, critic, shards, card, budgets), budgets
+
+
 def describe(gpu_memory_utilization: float, jax_limit_bytes: int | None) -> str:
     """One line for the log; `jax_limit_bytes` is JAX's `bytes_limit` (its fraction of the card)."""
-    jax_frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    jax_frac = jax_fraction()
     total_bytes = jax_limit_bytes / jax_frac if jax_limit_bytes else None
     if total_bytes:
-        gb = total_bytes / 2**30
+        gb = total_bytes / GiB
         return (f"GPU memory plan: {gb:.0f} GiB card; vLLM {gpu_memory_utilization:.2f} = "
                 f"{gb * gpu_memory_utilization:.1f} GiB (weights + KV cache, asleep during training); "
                 f"JAX up to {jax_frac:.2f} = {gb * jax_frac:.1f} GiB (on demand)")

@@ -1,20 +1,76 @@
-"""Throughput and MFU bookkeeping: FLOPs per token and a measured matmul peak per device."""
+"""Throughput and MFU bookkeeping: FLOPs as computed, and the card's specified peak.
+
+MFU here is model FLOPs over the card's *specified* dense peak (H100 / H200 SXM: 989 TFLOP/s in bf16),
+the convention of the field (PaLM, Megatron), so figures compare across projects. FLOPs are counted as the
+model computes them, not as a closed formula over padded shapes:
+  - matmuls of the decoder layers: 6 x (their parameters) per token (forward 2, backward 4);
+  - causal attention: scores and weighted values over the lower triangle only, per sequence of length S
+    6 x layers x (heads x head_dim) x S^2 (half of PaLM's 12 x ... x S^2 for full attention);
+  - the vocabulary head: 6 x hidden x vocab per *response* token (the only positions whose log-probs are
+    taken); the critic's head is one row (negligible, counted as zero);
+  - the embedding lookup and recomputation under remat are not counted (MFU, not HFU).
+Where the device's peak is not in the table (CPU, unknown cards) a measured matmul peak stands in.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxppo.models.config import ModelConfig
 
+# dense bf16 peak per device by `device_kind` (vendor datasheets; SXM parts)
+SPEC_PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12,
+                   "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA B200": 2250e12}
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6 N (forward + backward matmuls, embedding lookup excluded) + attention 12 * L * d_attn * seq (PaLM's)."""
-    n = cfg.num_params(with_head=True) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
-    return 6.0 * n + attn
+
+@dataclasses.dataclass(frozen=True)
+class FlopsModel:
+    """FLOPs of one training pass (forward + backward) of a decoder."""
+
+    per_token: float  # decoder-layer matmuls, per token
+    attention: float  # per (sequence length)^2, causal
+    head: float  # vocabulary head, per response token (0: value head)
+
+
+def flops_model(cfg: ModelConfig, lm_head: bool = True) -> FlopsModel:
+    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size  # q, k, v, o; gate, up, down
+    return FlopsModel(per_token=6.0 * cfg.num_hidden_layers * layer,
+                      attention=6.0 * cfg.num_hidden_layers * q,
+                      head=6.0 * h * cfg.vocab_size if lm_head else 0.0)
+
+
+def step_flops(model: FlopsModel, seq_lengths: np.ndarray, response_lengths: np.ndarray | None = None) -> float:
+    """FLOPs of one training pass over sequences of `seq_lengths` tokens (prompt + response), the vocabulary
+    head over `response_lengths` tokens each."""
+    s = np.asarray(seq_lengths, np.float64)
+    out = model.per_token * s.sum() + model.attention * float(np.square(s).sum())
+    if response_lengths is not None:
+        out += model.head * float(np.asarray(response_lengths, np.float64).sum())
+    return out
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, response_len: int | None = None) -> float:
+    """FLOPs per token of one training pass over sequences of `seq_len` tokens of which `response_len`
+    (default: all) take log-probs: `step_flops` for one sequence, divided by its length."""
+    m = flops_model(cfg)
+    return step_flops(m, np.array([seq_len]), np.array([seq_len if response_len is None else response_len])) / seq_len
+
+
+def device_peak_flops(device=None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where it came from): the specified dense bf16 peak for known cards, else
+    a measured matmul peak."""
+    dev = device or jax.local_devices()[0]
+    kind = getattr(dev, "device_kind", "")
+    if kind in SPEC_PEAK_FLOPS:
+        return SPEC_PEAK_FLOPS[kind], f"spec ({kind})"
+    return measure_matmul_peak(), f"measured ({kind or dev.platform})"
 
 
 def measure_matmul_peak(n: int | None = None, dtype=None, reps: int = 5) -> float:

@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
             from jaxppo.config import validate_processes
 
             validate_processes(cfg, jax.process_count())
+        from jaxppo import memory
+
+        planned = memory.plan_for_config(cfg, jax.device_count())
+        if planned is not None:  # a run that cannot fit the card stops here, before anything is allocated
+            memory.check(cfg, *planned)
     except JaxppoError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

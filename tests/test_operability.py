@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxppo import step as ppo_step
 from jaxppo.config import load_config
 from jaxppo.trainer import PPOTrainer
 from jaxppo.train import make_engine_factory
@@ -35,22 +36,33 @@ def same(a, b) -> bool:
     return all(np.array_equal(x, y, equal_nan=False) for x, y in zip(a, b))
 
 
-class NaNScores(PPOTrainer):
+def nan_from_second_call(monkeypatch, name: str, poison):
+    """Wrap `jaxppo.step.<name>` so that from its second call on (the run's second step, counted across the
+    trainers of one test) its result goes through `poison`."""
+    calls = [0]
+    inner = getattr(ppo_step, name)
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        out = inner(*args, **kwargs)
+        return poison(out) if calls[0] >= 2 else out
+
+    monkeypatch.setattr(ppo_step, name, wrapped)
+
+
+def nan_scores(monkeypatch):
     """The reward phase returns NaN scores from the second step on."""
-
-    def _inject_scores(self, scores):
-        return np.full_like(scores, np.nan) if self.step >= 1 else scores
+    nan_from_second_call(monkeypatch, "score", lambda out: (np.full_like(out[0], np.nan), out[1]))
 
 
-class NaNAdvantages(PPOTrainer):
+def nan_advantages(monkeypatch):
     """Advantages and returns become NaN from the second step on: the losses and gradients of every
     mini-batch are NaN while the rewards stay finite (so only the in-update guard can catch it)."""
+    def poison(out):
+        state, rewards, adv, ret, m = out
+        return state, rewards, np.full_like(adv, np.nan), np.full_like(ret, np.nan), m
 
-    def _advantages(self, *args):
-        rewards, adv, ret, m = super()._advantages(*args)
-        if self.step >= 1:
-            adv, ret = np.full_like(adv, np.nan), np.full_like(ret, np.nan)
-        return rewards, adv, ret, m
+    nan_from_second_call(monkeypatch, "advantages", poison)
 
 
 class KLBlowUp(PPOTrainer):
@@ -59,8 +71,8 @@ class KLBlowUp(PPOTrainer):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         inner = self.actor.logprobs
-        self.actor.logprobs = lambda params, batch, with_entropy=False: tuple(
-            (lp + 3.0 if i == 0 else lp) for i, lp in enumerate(inner(params, batch, with_entropy)))
+        self.actor.logprobs = lambda params, batch, *args, **kw: tuple(
+            (lp + 3.0 if i == 0 else lp) for i, lp in enumerate(inner(params, batch, *args, **kw)))
 
 
 @pytest.mark.slow
@@ -80,13 +92,14 @@ def test_profile_of_one_step_has_every_phase(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_rewards_are_skipped_counted_and_never_reach_the_parameters(tmp_path):
-    tr = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.max_bad_steps=5", cls=NaNScores)
+def test_nan_rewards_are_skipped_counted_and_never_reach_the_parameters(tmp_path, monkeypatch):
+    nan_scores(monkeypatch)
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.max_bad_steps=5")
     tr.fit()  # step 1 clean, steps 2-3 NaN rewards
     m = read_metrics(tmp_path / "run")
     assert m[1]["health/skipped_steps"] == 0 and m[1]["health/nonfinite"] == 0
     before_actor, before_critic = host(tr.actor_state), host(tr.critic_state)
-    tr2 = make_trainer(tmp_path, "trainer.total_training_steps=4", "trainer.max_bad_steps=5", cls=NaNScores)
+    tr2 = make_trainer(tmp_path, "trainer.total_training_steps=4", "trainer.max_bad_steps=5")
     assert tr2.step == 3 and same(host(tr2.actor_state), before_actor)  # resumed from the final checkpoint
     tr2.fit()  # one more NaN step
     assert same(host(tr2.actor_state), before_actor) and same(host(tr2.critic_state), before_critic)
@@ -98,9 +111,9 @@ def test_nan_rewards_are_skipped_counted_and_never_reach_the_parameters(tmp_path
 
 
 @pytest.mark.slow
-def test_nan_gradients_are_skipped_and_the_run_stops_after_max_bad_steps(tmp_path):
-    tr = make_trainer(tmp_path, "trainer.total_training_steps=6", "trainer.save_freq=1", "trainer.max_bad_steps=2",
-                      cls=NaNAdvantages)
+def test_nan_gradients_are_skipped_and_the_run_stops_after_max_bad_steps(tmp_path, monkeypatch):
+    nan_advantages(monkeypatch)
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=6", "trainer.save_freq=1", "trainer.max_bad_steps=2")
     snapshots = {}
     step = tr.train_step
     tr.train_step = lambda: (snapshots.setdefault(tr.step, host(tr.actor_state.params)), step())[1]

@@ -44,6 +44,17 @@ def configure_env(gpu: bool) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 
+def _capture_mode(mode: str) -> None:
+    import torch.cuda.graphs as graphs
+
+    init = graphs.graph.__init__
+
+    def patched(self, cuda_graph, pool=None, stream=None, capture_error_mode=mode):
+        init(self, cuda_graph, pool, stream, capture_error_mode)
+
+    graphs.graph.__init__ = patched
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str | None = None,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, gpu_memory_utilization: float = 0.5,
@@ -68,6 +79,8 @@ class VLLMEngine:
             # vllm-cpu: a partially prefilled request with a seed crashes ("CPU Generator does not use
             # offset"), so prompts are never split across scheduler steps there
             kw["enable_chunked_prefill"] = False
+        if os.environ.get("JAXPPO_CAPTURE_MODE"):  # diagnosis of the first-start capture failure
+            _capture_mode(os.environ["JAXPPO_CAPTURE_MODE"])
         self.llm = LLM(**kw)
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id

@@ -1,17 +1,24 @@
-"""Reward functions by `data_source`, and batch scoring that never crashes a run.
+"""Reward functions by `data_source`, and batch scoring that never crashes or hangs a run.
 
 A reward function is `fn(solution_str, ground_truth, extra_info) -> float`. A function that raises,
-returns a non-number, NaN or inf, or (in parallel mode) runs past the timeout, scores 0 for that
-sample; the count is reported (`reward/errors`) and the first few offenders are logged.
+returns a non-number, NaN or inf, or runs past `timeout_s` scores 0 for that sample; the counts are
+reported (`reward/errors`) and the first few offenders are logged. The time limit holds at every batch
+size: with `num_workers=0` each sample runs in this process under a SIGALRM timer (the trainer's main
+thread); with `num_workers >= 1` samples run in spawned worker processes, each under its own timer there,
+and a worker stuck where no signal reaches it (C code that never returns to Python) is terminated with
+its pool once the batch's deadline passes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import logging
 import math as pymath
 import multiprocessing
+import signal
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -48,32 +55,62 @@ class ScoreResult:
     num_timeouts: int
 
 
-def _score_one(fn: RewardFn, solution: str, ground_truth: str, extra_info: dict) -> tuple[float, str | None]:
+class _Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise `_Timeout` in this thread after `seconds` (SIGALRM; only the main thread can take signals, so
+    elsewhere there is no limit and the caller must bound the time itself)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _Timeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        value = float(fn(solution, ground_truth, extra_info))
-    except Exception as e:  # noqa: BLE001 - any failure of user reward code scores 0, never crashes the run
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _score_one(fn: RewardFn, solution: str, ground_truth: str, extra_info: dict,
+               timeout_s: float = 0.0) -> tuple[float, str | None]:
+    """(score, None) or (0.0, why): a failure of the user's reward code scores 0, never crashes the run."""
+    try:
+        with _time_limit(timeout_s):
+            value = float(fn(solution, ground_truth, extra_info))
+    except _Timeout:
+        return 0.0, f"timed out after {timeout_s}s"
+    except Exception as e:  # noqa: BLE001 - any failure of user reward code scores 0
         return 0.0, f"{type(e).__name__}: {e}"
     if not pymath.isfinite(value):
         return 0.0, f"returned {value}"
     return value, None
 
 
-def _score_chunk(items: list[tuple]) -> list[tuple[float, str | None]]:
-    return [_score_one(*it) for it in items]
-
-
 _POOL: cf.ProcessPoolExecutor | None = None
+_POOL_WORKERS = 0
 
 
 def _pool(workers: int) -> cf.ProcessPoolExecutor:
-    global _POOL
+    global _POOL, _POOL_WORKERS
+    if _POOL is not None and _POOL_WORKERS != workers:
+        _kill_pool()
     if _POOL is None:  # spawn: forking a process that runs JAX threads is unsafe
         _POOL = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        _POOL_WORKERS = workers
     return _POOL
 
 
 def _kill_pool() -> None:
-    """A timed-out worker may never return: terminate the pool so the next batch gets fresh workers."""
+    """A worker stuck beyond the reach of its timer may never return: terminate the pool so the next batch
+    gets fresh workers."""
     global _POOL
     if _POOL is not None:
         procs = list(getattr(_POOL, "_processes", {}).values())
@@ -83,36 +120,54 @@ def _kill_pool() -> None:
         _POOL = None
 
 
+def _is_timeout(msg: str | None) -> bool:
+    return msg is not None and msg.startswith("timed out")
+
+
 def score_batch(data_sources: Sequence[str], solutions: Sequence[str], ground_truths: Sequence[str],
-                extra_infos: Sequence[dict[str, Any]] | None = None, *, parallel_threshold: int = 1024,
-                num_workers: int = 4, timeout_s: float = 60.0, max_logged: int = 3) -> ScoreResult:
-    """Score every sample; in `num_workers` processes when the batch has >= `parallel_threshold` samples,
-    the whole batch bounded by `timeout_s` (samples of a chunk not done by then score 0)."""
+                extra_infos: Sequence[dict[str, Any]] | None = None, *, num_workers: int = 0,
+                timeout_s: float = 30.0, max_logged: int = 3, reward_fn: RewardFn | None = None) -> ScoreResult:
+    """Score every sample, each within `timeout_s` seconds (0: no limit): in this process when
+    `num_workers` is 0, else in that many worker processes. `reward_fn` overrides the data-source lookup
+    (a user's function from a file; it must be importable by reference for worker processes)."""
     n = len(solutions)
     extra_infos = extra_infos if extra_infos is not None else [{}] * n
     # functions travel to worker processes by reference (module + name), so user functions registered in
-    # an importable module work in parallel mode too
-    items = [(get_reward_fn(ds), sol, gt, ex) for ds, sol, gt, ex in zip(data_sources, solutions, ground_truths,
-                                                                            extra_infos)]
-    results: list[tuple[float, str | None]] = []
-    timeouts = 0
-    if n >= parallel_threshold and num_workers > 1:
-        size = -(-n // num_workers)
-        chunks = [items[i:i + size] for i in range(0, n, size)]
-        futures = [_pool(num_workers).submit(_score_chunk, c) for c in chunks]
-        deadline = time.monotonic() + timeout_s
-        for chunk, fut in zip(chunks, futures):
-            try:
-                results.extend(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-            except cf.TimeoutError:
-                timeouts += len(chunk)
-                results.extend([(0.0, f"timed out after {timeout_s}s")] * len(chunk))
-        if timeouts:
-            _kill_pool()
+    # an importable module work in worker processes too
+    items = [(reward_fn or get_reward_fn(ds), sol, gt, ex, timeout_s)
+             for ds, sol, gt, ex in zip(data_sources, solutions, ground_truths, extra_infos)]
+    if num_workers <= 0:
+        results = [_score_one(*it) for it in items]
     else:
-        results = _score_chunk(items)
+        results = _score_in_workers(items, num_workers, timeout_s)
     errors = [(i, msg) for i, (_, msg) in enumerate(results) if msg is not None]
     for i, msg in errors[:max_logged]:
         log.warning("reward for sample %d (data_source=%r) scored 0: %s; response tail: %r", i, data_sources[i],
                     msg, solutions[i][-200:])
+    timeouts = sum(_is_timeout(msg) for _, msg in errors)
     return ScoreResult(np.asarray([s for s, _ in results], np.float32), len(errors) - timeouts, timeouts)
+
+
+def _score_in_workers(items: list[tuple], workers: int, timeout_s: float) -> list[tuple[float, str | None]]:
+    """One task per sample; each is timed in its worker. The batch's deadline (every worker running its
+    share back to back at the limit, plus a grace period for starting the pool) catches a worker that its
+    timer cannot interrupt; then the pool is replaced and the unfinished samples score 0 as timed out."""
+    pool = _pool(workers)
+    futures = [pool.submit(_score_one, *it) for it in items]
+    deadline = None
+    if timeout_s > 0:
+        deadline = time.monotonic() + timeout_s * -(-len(items) // workers) + 30.0
+    results: list[tuple[float, str | None]] = []
+    stuck = False
+    for fut in futures:
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            results.append(fut.result(timeout=left))
+        except cf.TimeoutError:
+            stuck = True
+            results.append((0.0, f"timed out after {timeout_s}s (worker did not return)"))
+        except Exception as e:  # noqa: BLE001 - a worker that died (e.g. killed) scores its samples 0
+            results.append((0.0, f"worker failed: {type(e).__name__}: {e}"))
+    if stuck:
+        _kill_pool()
+    return results
