@@ -304,6 +304,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def validate_paths(cfg: Config) -> None:
+    """The paths a run reads exist (checked by `jaxppo.train` before anything is built; not by `load_config`,
+    which also serves configs whose paths are filled in later)."""
+    t = cfg.trainer
+    if t.resume_mode not in ("auto", "disable") and not Path(t.resume_mode).exists():
+        raise ConfigError(f"trainer.resume_mode must be auto, disable or an existing checkpoint path; "
+                          f"{t.resume_mode!r} does not exist")
+    for key, path in (("model.path", cfg.model.path), ("model.critic_path", cfg.model.critic_path),
+                      ("model.reward_model_path", cfg.model.reward_model_path)):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{key}: {path}/config.json not found")
+
+
 def validate_processes(cfg: Config, processes: int) -> None:
     """What several processes need: every batch splits evenly over them."""
     d = cfg.data
@@ -427,12 +440,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
           "trainer.early_stop_patience needs validation: set trainer.test_freq > 0")
     check(t.early_stop_patience >= 0, "trainer.early_stop_patience must be >= 0")
     check(all(s >= 1 for s in t.profile_steps), "trainer.profile_steps are 1-based step numbers")
-    check(t.resume_mode in ("auto", "disable") or Path(t.resume_mode).exists(),
-          f"trainer.resume_mode must be auto, disable or an existing checkpoint path; {t.resume_mode!r} does not exist")
     check(cfg.mesh.fsdp_gather == "layer" or cfg.mesh.tensor == 1, "mesh.fsdp_gather=update needs mesh.tensor=1")
-    for key, path in (("model.path", cfg.model.path), ("model.critic_path", cfg.model.critic_path),
-                      ("model.reward_model_path", cfg.model.reward_model_path)):
-        check(path is None or (Path(path) / "config.json").is_file(), f"{key}: {path}/config.json not found")
     if num_devices is not None:
         from jaxppo.sharding import resolve_mesh_shape
 

@@ -234,6 +234,7 @@ class _Base:
         # NaN/inf in the loss or the gradient never is
         self.guards: dict[str, tuple[str, float]] = {}
         self.compiled_shapes: set[tuple[int, ...]] = set()  # packed (micro-batches, slots, row length) shapes seen
+        self._packed_shapes: dict[str, set] = {}  # shape keys packed so far, per budget (what), reused by `pack`
         self.tx, self.schedule = make_optimizer(self.optim, self.total_steps)
         m = self.mesh.shape
         self.batch_shards = m["data"] * m["fsdp"]
@@ -324,14 +325,16 @@ class _Base:
         if self.batch_shards % k:
             raise ValueError(f"{self.batch_shards} batch shards do not split over {k} processes")
         local = self.batch_shards // k
-        packed = pack(batch, self.response_length, budget, local, what)
+        known = self._packed_shapes.setdefault(what, set())
+        packed = pack(batch, self.response_length, budget, local, what, known=known)
         while k > 1:  # every process the same shapes: repeat with the largest until all agree (they only grow)
             keys = dist.gather_rows(np.array([packed.shape_key]))
             n, s, row, runs = (int(v) for v in keys.max(0))
             if (keys == (n, s, row, runs)).all():
                 break
             packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s, row_len=row,
-                          min_runs=runs)
+                          min_runs=runs, known=known)
+        known.add(packed.shape_key)
         return packed
 
     def shard_packed(self, packed) -> Batch:

@@ -37,6 +37,7 @@ ACT_PER_LAYER = {"full": 10.0, "dots": 16.0, "dots_attn": 17.0, "none": 30.0}  #
 FORWARD_PER_TOKEN = 25.0  # hidden-sized vectors per token of a forward-only pass (one layer's transients)
 HEAD_TEMPS = 3  # float32 [tokens, vocab] temporaries of a head chunk: logits, softmax, cotangent
 AUTO_MAX_BUDGET = 32768  # the largest token budget chosen automatically (per device per micro-batch)
+AUTO_HEADROOM = 0.9  # automatic budgets fill at most this fraction of JAX's limit (fragmentation, estimate error)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -116,7 +117,9 @@ def activation_bytes(cfg: Any, model: ModelConfig, tokens: int, rows: int, train
         chunk = rows * min(a.logprob_chunk_size, cfg.data.max_response_length) * model.vocab_size * 4 * HEAD_TEMPS
         kept = 0.0
         if training and not a.logprob_remat:  # every response token's logits kept for the backward pass
-            kept = min(tokens, rows * cfg.data.max_response_length) * model.vocab_size * 4
+            # (padded rows hold at most R response tokens each; a packed row, up to all of its tokens)
+            responses = tokens if a.use_dynamic_bsz else rows * cfg.data.max_response_length
+            kept = responses * model.vocab_size * 4
         out += chunk + kept
     return out
 
@@ -221,7 +224,7 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
         grads = master * model.num_params(with_head=lm_head) / shards if training else 0.0
         best = 0
         for budget in range(1024, AUTO_MAX_BUDGET + 1, 1024):
-            if fixed + grads + activation_bytes(cfg, model, budget, 1, training, lm_head) <= limit:
+            if fixed + grads + activation_bytes(cfg, model, budget, 1, training, lm_head) <= AUTO_HEADROOM * limit:
                 best = budget
         return max(best, seq)  # at least one sequence: if even that does not fit, the estimate says so
 
@@ -241,20 +244,24 @@ def check(cfg: Any, est: MemoryEstimate, budgets: TokenBudgets) -> None:
         over = est.total - est.jax_limit
         advice.append(f"JAX needs about {est.total / GiB:.1f} GiB per device at its peak ({est.peak_phase}) but may "
                       f"use {est.jax_limit / GiB:.1f} GiB ({over / GiB:.1f} GiB over)")
-        act = next((k for k in est.components if k.startswith("activations")), None)
+        states = sum(v for k, v in est.components.items() if not k.startswith(("activations", "overhead")))
         sub = "actor" if "actor" in est.peak_phase else "critic"
-        key = ("ppo_max_token_len_per_device" if "update" in est.peak_phase else
-               ("log_prob_max_token_len_per_device" if sub == "actor" else "forward_max_token_len_per_device"))
-        if act and getattr(cfg, sub).use_dynamic_bsz:
+        if states + OVERHEAD_BYTES > AUTO_HEADROOM * est.jax_limit:
+            shards = cfg.mesh.fsdp * cfg.mesh.tensor
+            need = int(-(-states * shards // (0.6 * est.jax_limit)))
+            advice.append(f"the weights, optimizer states and gradients alone need {states / GiB:.1f} GiB per device: "
+                          f"shard them over more devices (mesh.fsdp={max(need, 2)} or more)")
+        elif getattr(cfg, sub).use_dynamic_bsz:
+            key = ("ppo_max_token_len_per_device" if "update" in est.peak_phase else
+                   ("log_prob_max_token_len_per_device" if sub == "actor" else "forward_max_token_len_per_device"))
             advice.append(f"lower {sub}.{key} (now {getattr(budgets, est.peak_phase.replace(' ', '_'))}; 0 picks the "
                           f"largest that fits)")
-        elif act:
+        else:
             advice.append(f"lower {sub}.ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device, or "
-                          f"pack sequences ({sub}.use_dynamic_bsz=true)")
-        if est.vllm_bytes:
+                          f"pack sequences ({sub}.use_dynamic_bsz=true with token budgets 0: the largest that fits)")
+        if est.vllm_bytes and est.vllm_bytes > 1.5 * est.vllm_needs:
             advice.append(f"lower rollout.gpu_memory_utilization (now {cfg.rollout.gpu_memory_utilization}: "
                           f"{est.vllm_bytes / GiB:.1f} GiB for vLLM, which needs about {est.vllm_needs / GiB:.1f})")
-        advice.append("or shard the states over more devices (mesh.fsdp)")
     if est.vllm_bytes is not None and est.vllm_bytes < est.vllm_needs * 0.5:
         advice.append(f"vLLM's share ({est.vllm_bytes / GiB:.1f} GiB, rollout.gpu_memory_utilization="
                       f"{cfg.rollout.gpu_memory_utilization}) cannot hold the weights and a useful KV cache (about "

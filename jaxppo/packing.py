@@ -31,6 +31,7 @@ import math
 import numpy as np
 
 ROW_STEPS = 8  # row lengths are multiples of budget / ROW_STEPS
+REUSE_SLACK = 0.25  # a shape compiled before is reused when it computes at most this much more than the best
 
 # per-token arrays of the padded layout that follow their sequence into its slot
 SEQ_KEYS = ("old_logprobs", "advantages", "ref_logprobs", "is_weights", "values", "returns")
@@ -135,24 +136,40 @@ def row_lengths(budget: int) -> list[int]:
     return sorted({-(-budget * k // ROW_STEPS) for k in range(1, ROW_STEPS + 1)}, reverse=True)
 
 
-def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int,
-            row_len: int | None) -> tuple[list[list[int]], int, int]:
-    """(bins, micro-batches, row length) computing the fewest tokens; the longer row wins a tie."""
+def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int, row_len: int | None,
+            known: frozenset = frozenset()) -> tuple[list[list[int]], int, int]:
+    """(bins, micro-batches, row length) computing the fewest tokens (the longer row wins a tie), unless a
+    (micro-batches, row length) already compiled (`known` shape keys) computes at most REUSE_SLACK more: then
+    that one, so that batches of slightly different sizes do not each compile a program of their own."""
     longest = int(lengths.max(initial=1))
-    best = None
+    candidates = []
     for length in [row_len] if row_len else [n for n in row_lengths(budget) if n >= longest]:
         bins = first_fit_decreasing(lengths, length)
         n_micro = max(bucket(math.ceil(len(bins) / shards)), min_micro)
-        if best is None or n_micro * length < best[1] * best[2]:
-            best = (bins, n_micro, length)
-    return best
+        candidates.append((n_micro * length, -length, n_micro, bins))
+    cost, neg_len, n_micro, bins = min(candidates, key=lambda c: c[:2])
+    reuse = [(n * -nl, nl, n, bs) for c, nl, m, bs in candidates for (n, _, w, _) in known
+             if w == -nl and n >= m and n * w <= (1 + REUSE_SLACK) * cost]
+    if reuse:
+        cost, neg_len, n_micro, bins = min(reuse, key=lambda c: c[:2])
+    return bins, n_micro, -neg_len
+
+
+def _reuse(value: int, index: int, known: frozenset, n_micro: int, width: int) -> int:
+    """The smallest slots / runs count (`index` 1 / 3 of a shape key) of a compiled shape with this micro-batch
+    count and row length that holds `value` within REUSE_SLACK of its bucket; else the bucket itself."""
+    target = bucket(value)
+    fits = [k[index] for k in known if k[0] == n_micro and k[2] == width and value <= k[index] <= (1 + REUSE_SLACK)
+            * target]
+    return min(fits) if fits else target
 
 
 def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards: int,
          what: str = "actor.ppo_max_token_len_per_device", min_micro: int = 1, min_slots: int = 1,
-         row_len: int | None = None, min_runs: int = 1) -> Packed:
+         row_len: int | None = None, min_runs: int = 1, known: frozenset | set = frozenset()) -> Packed:
     """Pack a padded host batch (see jaxppo/engine.py for the layout) into rows of at most `budget`
-    tokens (`row_len`: exactly that long; min_*, row_len: what other processes need)."""
+    tokens (`row_len`: exactly that long; min_*, row_len: what other processes need; `known`: shape keys of
+    programs compiled already, reused when they cost little more)."""
     ids, seg = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
     r = response_length
     b, t = ids.shape
@@ -163,7 +180,8 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     if too_long.size:
         i = int(too_long[0])
         raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than {what} = {budget}")
-    bins, n_micro, width = _layout(lengths, budget, shards, min_micro, row_len)
+    known = frozenset(known)
+    bins, n_micro, width = _layout(lengths, budget, shards, min_micro, row_len, known)
     bins += [[] for _ in range(n_micro * shards - len(bins))]
     rmask = np.asarray(batch["response_mask"]) > 0
     rlen = rmask.sum(1)
@@ -171,11 +189,11 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     even = balance_responses(lengths, rlen, len(bins), width)  # the same rows, fewer slots if it fits
     if even is not None and most(even) < most(bins):
         bins = even
-    slots = max(bucket(most(bins)), min_slots)
+    slots = max(_reuse(most(bins), 1, known, n_micro, width), min_slots)
     rows = n_micro * shards
     # runs of a row: its sequences, then the unused tail (if any); an empty row is one run
     n_runs = [len(m) + int(int(lengths[m].sum()) < width) for m in bins]
-    runs = max(bucket(max(n_runs)), min_runs)
+    runs = max(_reuse(max(n_runs), 3, known, n_micro, width), min_runs)
     starts = np.full((rows, runs), -1, np.int32)
 
     out_ids, out_seg, out_pos = (np.zeros((rows, width), np.int32) for _ in range(3))

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src.xla_bridge"):  # orbax logs every file it writes at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from jaxppo.config import load_config, validate
+    from jaxppo.config import load_config, validate, validate_paths
 
     path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     try:
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         validate(cfg, jax.device_count())
+        validate_paths(cfg)
         if jax.process_count() > 1:
             from jaxppo.config import validate_processes
 

@@ -1,27 +1,51 @@
-"""PPO step time on one GPU: the real loop (in-process vLLM + JAX actor, critic, reference) on random weights
-of a real architecture and synthetic GSM8K-schema prompts, with vLLM's standalone generation throughput
-for the same prompts measured in the same call.
+"""PPO step time: the real loop (in-process vLLM + JAX actor, critic, reference) through `PPOTrainer`, on a
+committed config, with random weights of a real architecture and synthetic GSM8K-schema prompts, and vLLM's
+standalone generation of the same prompts measured in the same process afterwards.
 
-    python scripts/bench_ppo_step.py --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6
+    python scripts/bench_ppo_step.py --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10
     python -m jaxppo.launch --nproc 2 --script scripts/bench_ppo_step.py -- --config ... --shape ... mesh.data=2
 
-With several processes (one per GPU, each with its own in-process vLLM replica generating for its share
-of the prompts), every process runs the same loop; metrics are global (the trainer reduces them), device
-memory and the standalone generation are per process, and process 0 prints the summary.
+Reports the median of each phase (`timing_s/*`) over steps 3..N (N >= 10 gives the 8 samples the ledger asks
+for), tokens/s, MFU of the update phases (FLOPs as computed, against the card's specified peak), device
+memory against the memory plan's estimate, whether `perf/compiles` stayed constant after step 3, the
+start (vLLM's init, compile and CUDA-graph capture, as vLLM logs them; the cudagraph mode in force), and the
+in-loop / standalone generation ratio. Appends one `"bench": "ppo_step"` row to the ledger (`--ledger`).
 
-Prints per phase (`timing_s/*`) the mean over steps 3..N, tokens/s, MFU of the update phases, device memory
-after each step, and the in-loop / standalone generation ratio; `--json-out` writes everything.
+With several processes (one per GPU, each with its own in-process vLLM replica generating for its share of
+the prompts), every process runs the same loop; metrics are global (the trainer reduces them), device memory
+and the standalone generation are per process, and process 0 prints and records the summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class VLLMStartLog(logging.Handler):
+    """Collects the start figures vLLM logs: compile, capture, engine init (seconds)."""
+
+    PATTERNS = {"vllm_compile_s": r"torch\.compile took ([0-9.]+) s in total",
+                "vllm_capture_s": r"Graph capturing finished in ([0-9.]+) secs",
+                "vllm_engine_init_s": r"init engine .* took ([0-9.]+) s"}
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.figures: dict[str, float] = {}
+
+    def emit(self, record):
+        msg = record.getMessage()
+        for key, pat in self.PATTERNS.items():
+            m = re.search(pat, msg)
+            if m:
+                self.figures[key] = float(m.group(1))
 
 
 def benchmark_tokenizer(out: Path, vocab_size: int) -> Path:
@@ -55,15 +79,26 @@ def benchmark_tokenizer(out: Path, vocab_size: int) -> Path:
     return out
 
 
+def median(xs):
+    import numpy as np
+
+    return float(np.median(xs)) if len(xs) else float("nan")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--shape", required=True, help="architecture of the random model (scripts/shapes.py)")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--workdir", default="/tmp/jaxppo_ppo_bench")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--ledger", default=None, help="ledger file to append the result to (default: the repo's)")
+    p.add_argument("--no-ledger", action="store_true", help="do not record the result (smoke tests)")
+    p.add_argument("--no-standalone", action="store_true", help="skip the standalone generation (start tests)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    start_log = VLLMStartLog()
 
     from jaxppo.distributed import initialize_from_env
 
@@ -76,11 +111,15 @@ def main(argv=None) -> int:
     cfg0 = load_config(args.config, args.overrides)
     from jaxppo import memory
 
-    plan = memory.apply(cfg0.rollout.gpu_memory_utilization)
+    plan = memory.apply(cfg0.rollout.gpu_memory_utilization) if cfg0.rollout.engine == "vllm" else {}
+    if cfg0.rollout.engine == "vllm":
+        import vllm.logger  # noqa: F401  (configures vLLM's logger, which our collector then joins)
+    logging.getLogger("vllm").addHandler(start_log)
     import jax
     import numpy as np
 
     from jaxppo.data.synthetic import ArithmeticTask, write_dataset
+    from scripts import ledger
     from scripts.shapes import SHAPES, write_config_dir
 
     model_dir = write_config_dir(args.shape, work / args.shape)
@@ -99,6 +138,9 @@ def main(argv=None) -> int:
 
     import torch
 
+    planned = memory.plan_for_config(cfg, jax.device_count())
+    if planned is not None:
+        memory.check(cfg, *planned)  # what `python -m jaxppo.train` checks before building anything
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg, make_engine_factory(cfg))
     setup_s = time.perf_counter() - t0
@@ -110,58 +152,81 @@ def main(argv=None) -> int:
             free, total = torch.cuda.mem_get_info()
             m["memory/device_used_gb"] = (total - free) / 2**30
         m["memory/jax_peak_gb"] = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+        m["gen_tokens"] = float(m["response_length/mean"] * n_prompts * cfg.rollout.n / max(jax.process_count(), 1))
         steps.append(m)
         if rank == 0:
             print(json.dumps({"step": len(steps), **{k: round(v, 4) for k, v in m.items() if k.startswith(("timing_s",
                   "perf", "memory", "response_length/mean"))}}), flush=True)
-
-    # standalone vLLM generation: same prompts and lengths, engine awake, nothing else running
-    from jaxppo.rollout import Sampling
-
-    from jaxppo import distributed as dist
-
-    rows = np.arange(n_prompts)[dist.share(n_prompts, "prompts")]  # this process's share, as in the loop
-    prompts = [trainer.train_ds.input_ids[i].tolist() for i in rows]
-    sampling = Sampling(n=cfg.rollout.n, temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
-                        seed=1)
-    trainer.engine.wake()
-    trainer.sync_weights()
-    trainer.engine.generate(prompts[:8], sampling)
-    t0 = time.perf_counter()
-    ro = trainer.engine.generate(prompts, sampling)
-    standalone_s = time.perf_counter() - t0
-    standalone_tps = float(ro.response_mask.sum()) / standalone_s
+    engine = trainer.engine
+    start = {"setup_s": setup_s, "process_s": time.perf_counter() - t_start, "first_step_s": steps[0]["timing_s/step"],
+             "vllm_start_s": getattr(engine, "start_s", None),
+             "cudagraph_mode": engine.cudagraph_mode() if hasattr(engine, "cudagraph_mode") else "n/a",
+             **start_log.figures}
 
     keep = steps[2:] if len(steps) > 2 else steps
-    mean = {k: float(np.mean([s[k] for s in keep])) for k in keep[0]}
-    # the loop's generation throughput per replica, comparable with this replica's standalone figure
-    in_loop_tps = mean["response_length/mean"] * len(rows) * cfg.rollout.n / mean["timing_s/gen"]
-    summary = {"config": args.config, "shape": args.shape, "steps": args.steps, "setup_s": setup_s,
+    med = {k: median([s[k] for s in keep]) for k in keep[0]}
+    compiles = [s["perf/compiles"] for s in steps]
+    summary = {"config": args.config, "shape": args.shape, "steps": args.steps, "samples": len(keep),
                "prompts": n_prompts, "n": cfg.rollout.n, "response_len": cfg.data.max_response_length,
                "memory_plan": plan, "processes": jax.process_count(), "devices": jax.device_count(),
-               "mesh": dict(trainer.mesh.shape), "mean_steps_3_to_n": mean, "gen_in_loop_tokens_per_s": in_loop_tps,
-               "gen_standalone_tokens_per_s": standalone_tps, "gen_in_loop_over_standalone": in_loop_tps / standalone_tps,
-               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "versions": {"jax": jax.__version__, "torch": torch.__version__}}
-    try:
-        import vllm
+               "mesh": dict(trainer.mesh.shape), "median_steps_3_to_n": med, "start": start,
+               "compiles_per_step": compiles, "compiles_constant_after_step3": len(set(compiles[2:])) <= 1,
+               "memory_estimate_gb": trainer.memory_estimate.total / 2**30,
+               "token_budgets": vars(trainer.ctx.budgets) if trainer.ctx.budgets else None}
+    if not args.no_standalone:
+        # standalone vLLM generation: same prompts and lengths, engine awake, nothing else running
+        from jaxppo import distributed as dist
+        from jaxppo.rollout import Sampling
 
-        summary["versions"]["vllm"] = vllm.__version__
-    except ImportError:
-        pass
+        rows = np.arange(n_prompts)[dist.share(n_prompts, "prompts")]  # this process's share, as in the loop
+        prompts = [trainer.train_ds.input_ids[i].tolist() for i in rows]
+        sampling = Sampling(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
+                            max_tokens=cfg.data.max_response_length, seed=1)
+        engine.wake()
+        trainer.sync_weights()
+        engine.generate(prompts[:8], sampling)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ro = engine.generate(prompts, sampling)
+            times.append(time.perf_counter() - t0)
+            tokens = float(ro.response_mask.sum())
+        standalone_tps = tokens / median(times)
+        # the loop's generation throughput per replica, comparable with this replica's standalone figure
+        in_loop_tps = median([s["gen_tokens"] / s["timing_s/gen"] for s in keep])
+        summary.update(gen_in_loop_tokens_per_s=in_loop_tps, gen_standalone_tokens_per_s=standalone_tps,
+                       gen_in_loop_over_standalone=in_loop_tps / standalone_tps)
+    summary["device"] = ledger.device()
+    summary["versions"] = ledger.versions()
     if rank != 0:
         return 0
     print(json.dumps(summary), flush=True)
     print(f"\n{args.shape}: {n_prompts} prompts x {cfg.rollout.n} x {cfg.data.max_response_length} tokens, "
-          f"mean of steps 3..{args.steps}")
-    for k in sorted(k for k in mean if k.startswith("timing_s/")):
-        print(f"  {k:28} {mean[k]:8.3f}")
-    for k in ("perf/throughput", "perf/mfu/actor", "memory/device_used_gb", "memory/jax_peak_gb"):
-        if k in mean:
-            print(f"  {k:28} {mean[k]:8.3f}")
-    print(f"  generation in loop {in_loop_tps:.0f} tok/s, standalone {standalone_tps:.0f} tok/s, "
-          f"ratio {in_loop_tps / standalone_tps:.2f}")
+          f"median of steps 3..{args.steps}")
+    for k in sorted(k for k in med if k.startswith("timing_s/")):
+        print(f"  {k:28} {med[k]:8.3f}")
+    for k in ("perf/throughput", "perf/mfu/actor", "perf/mfu/critic", "memory/device_used_gb", "memory/jax_peak_gb"):
+        if k in med:
+            print(f"  {k:28} {med[k]:8.3f}")
+    print(f"  memory estimate {summary['memory_estimate_gb']:.1f} GiB; perf/compiles {compiles} "
+          f"(constant after step 3: {summary['compiles_constant_after_step3']})")
+    print(f"  start: {json.dumps(start)}")
+    if "gen_in_loop_over_standalone" in summary:
+        print(f"  generation in loop {summary['gen_in_loop_tokens_per_s']:.0f} tok/s, standalone "
+              f"{summary['gen_standalone_tokens_per_s']:.0f} tok/s, ratio {summary['gen_in_loop_over_standalone']:.3f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"summary": summary, "steps": steps}, indent=2))
+    if not args.no_ledger:
+        figures = {"step_s": med["timing_s/step"], **{k: v for k, v in med.items() if k.startswith(("timing_s/",
+                   "perf/mfu", "perf/throughput", "memory/"))}}
+        for k in ("gen_in_loop_over_standalone", "gen_in_loop_tokens_per_s", "gen_standalone_tokens_per_s",
+                  "compiles_constant_after_step3", "memory_estimate_gb"):
+            if k in summary:
+                figures[k] = summary[k]
+        row = ledger.make_row("ppo_step", figures, config=args.config, overrides=list(args.overrides),
+                              samples={"steps": len(keep)}, shape=args.shape, start=start,
+                              token_budgets=summary["token_budgets"], mesh=summary["mesh"])
+        print(f"ledger: {ledger.append(row, args.ledger)}")
     return 0
 
 

@@ -1,14 +1,21 @@
-"""Actor-update throughput: jaxppo (JAX) vs a Hugging Face torch reference, same shapes, same call.
+"""Actor-update throughput: jaxppo (JAX) vs Hugging Face torch, same shapes, same call.
 
-    python scripts/bench_update.py --model qwen2.5-0.5b,qwen2.5-1.5b --batch 8 --seq 1024 --steps 10
+    python scripts/bench_update.py --model qwen2.5-0.5b,qwen2.5-1.5b --batch 8 --seq 1024 --steps 10 \
+        [--remat dots_attn --unroll 0 --head-remat 0] [--torch ckpt,nockpt,compile]
 
-JAX: `jaxppo.engine.ActorEngine.update` (PPO clipped loss over the response half, chunked log-probs,
-fp32 master weights + bf16 compute, full remat, scan over layers, cuDNN attention on GPU, AdamW).
-torch: transformers model in bf16, sdpa attention, gradient checkpointing (`--torch-ckpt 0`: off, to
-compare against JAX without remat), fused AdamW, the same PPO loss on the same response positions
-(`logits_to_keep`). Random weights of the real shape.
-MFU = (6N + 12 L h_attn T) FLOPs per token x tokens/s / measured bf16 matmul peak (both printed; N
-excludes the embedding lookup). Prints a table and one JSON line per configuration.
+JAX: `jaxppo.engine.ActorEngine.update` (PPO clipped loss over the response half, chunked log-probs, fp32
+master weights + bf16 compute, cuDNN attention on GPU, AdamW). torch: a transformers model in bf16, sdpa
+attention, fused AdamW, the same PPO loss on the same response positions (`logits_to_keep`), in up to three
+configurations, each in its own process: `ckpt` (gradient checkpointing), `nockpt` (all activations kept:
+faster where it fits) and `compile` (torch.compile of the model, no checkpointing). A configuration that
+runs out of memory is reported as such. The headline ratio is JAX against the fastest torch configuration
+that ran. Random weights of the real shape.
+
+Medians of `--steps` steps after a warm-up step (two for torch.compile). MFU is model FLOPs as computed
+(causal attention, the vocabulary head over the response positions only; jaxppo/perf.py) over the card's
+specified dense bf16 peak (989 TFLOP/s on an H100 / H200); the measured matmul peak of the same card is
+printed beside it. Prints a table, one JSON line per framework and configuration, and appends one
+`"bench": "update"` ledger row per model (`--ledger`; `--no-ledger` for smoke tests).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import numpy as np  # noqa: E402
 from jaxppo.config import ActorConfig, OptimConfig  # noqa: E402
 from jaxppo.engine import ActorEngine  # noqa: E402
 from jaxppo.models import build_model, init_params, abstract_params  # noqa: E402
-from jaxppo.perf import measure_matmul_peak, train_flops_per_token  # noqa: E402
+from jaxppo.perf import device_peak_flops, flops_model, measure_matmul_peak, step_flops  # noqa: E402
 from jaxppo.sharding import make_mesh, param_shardings  # noqa: E402
 from scripts.shapes import SHAPES  # noqa: E402
 
@@ -68,7 +75,7 @@ def bench_jax(cfg, args, batch_np) -> dict:
         times.append(time.perf_counter() - t0)
     mem = jax.local_devices()[0].memory_stats() or {}
     out = {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(m["pg_loss"]),
-           "peak_mem_gb": mem.get("peak_bytes_in_use", 0) / 2**30}
+           "peak_mem_gb": mem.get("peak_bytes_in_use", 0) / 2**30, "samples": len(times)}
     if args.profile:  # one more step under the profiler: where the device time goes
         from scripts.trace_summary import find_traces, load_events, print_summary, summarise
 
@@ -93,9 +100,11 @@ def bench_torch(cfg, args, batch_np) -> dict:
     d = write_config_dir(args.current, Path(args.workdir) / args.current)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=torch.bfloat16,
                                              attn_implementation="sdpa").to(device)
-    if args.torch_ckpt:
+    variant = args.torch_variant
+    if variant == "ckpt":
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
+    forward = torch.compile(model) if variant == "compile" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
     ids = torch.as_tensor(batch_np["input_ids"], device=device).long()
     resp = args.seq // 2
@@ -104,7 +113,7 @@ def bench_torch(cfg, args, batch_np) -> dict:
     adv = torch.as_tensor(batch_np["advantages"], device=device)
 
     def step():
-        logits = model(input_ids=ids, logits_to_keep=resp + 1).logits[:, :-1].float()
+        logits = forward(input_ids=ids, logits_to_keep=resp + 1).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
         ratio = torch.exp(lp - old)
         loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
@@ -114,7 +123,8 @@ def bench_torch(cfg, args, batch_np) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    step()
+    for _ in range(2 if variant == "compile" else 1):  # warm-up (compilation)
+        step()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     times = []
@@ -127,17 +137,17 @@ def bench_torch(cfg, args, batch_np) -> dict:
     del model, opt
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"step_s": float(np.median(times)), "peak_mem_gb": peak}
+    return {"step_s": float(np.median(times)), "peak_mem_gb": peak, "samples": len(times)}
 
 
-def in_subprocess(fw: str, name: str, args) -> dict:
+def in_subprocess(fw: str, name: str, args, variant: str = "") -> dict:
     """One framework in its own process: each allocator keeps the memory it grew into, so running
     both in one process would leave the second with what the first did not hold."""
     import subprocess
 
     cmd = [sys.executable, __file__, "--only", fw, "--model", name, "--batch", str(args.batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--micro", str(args.micro), "--chunk", str(args.chunk),
-           "--remat", args.remat, "--unroll", str(args.unroll), "--torch-ckpt", str(args.torch_ckpt),
+           "--remat", args.remat, "--unroll", str(args.unroll), "--torch-variant", variant or "ckpt",
            "--head-remat", str(args.head_remat),
            "--workdir", args.workdir]
     cmd += ["--profile", args.profile] if args.profile else []
@@ -146,6 +156,8 @@ def in_subprocess(fw: str, name: str, args) -> dict:
     print("\n".join(x for x in lines if not x.startswith(("RESULT ", "device:"))), flush=True)
     found = [x for x in lines if x.startswith("RESULT ")]
     if res.returncode != 0 or not found:
+        if "out of memory" in res.stderr.lower() or "OutOfMemory" in res.stderr:
+            return {"error": "out of memory"}
         raise RuntimeError(f"{fw} run failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
     return json.loads(found[-1][len("RESULT "):])
 
@@ -162,47 +174,73 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=1, help="JAX: decoder layers per iteration of the layer scan (0: all)")
     p.add_argument("--head-remat", type=int, default=1,
                    help="JAX: recompute the log-prob chunks' logits in the backward pass (1) or keep them (0)")
-    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--torch", default="ckpt,nockpt,compile",
+                   help="torch configurations (comma list of ckpt, nockpt, compile; empty: JAX only)")
     p.add_argument("--only", choices=["jax", "torch"], default=None, help=argparse.SUPPRESS)  # internal
+    p.add_argument("--torch-variant", default="ckpt", help=argparse.SUPPRESS)  # internal
     p.add_argument("--profile", default=None, help="dir: trace one more JAX step and summarise it")
-    p.add_argument("--torch-ckpt", type=int, default=1, help="torch: gradient checkpointing on (1) / off (0)")
     p.add_argument("--workdir", default="/tmp/jaxppo_bench")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--ledger", default=None)
+    p.add_argument("--no-ledger", action="store_true")
     args = p.parse_args(argv)
-    peak = measure_matmul_peak()
     if args.only is None:
-        print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
-              f"measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s per device")
+        peak, source = device_peak_flops()
+        measured = measure_matmul_peak(reps=50)
+        print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  MFU against "
+              f"{peak / 1e12:.1f} TFLOP/s per device ({source}); measured bf16 matmul {measured / 1e12:.1f} TFLOP/s")
     rows = []
+    variants = [v for v in args.torch.split(",") if v]
     for name in args.model.split(","):
         args.current = name
         cfg = SHAPES[name]
-        batch = synthetic_batch(cfg, args.batch, args.seq, args.seq // 2)
-        tokens = args.batch * args.seq
-        fpt = train_flops_per_token(cfg, args.seq)
+        resp = args.seq // 2
+        batch = synthetic_batch(cfg, args.batch, args.seq, resp)
         if args.only:
             run = bench_jax if args.only == "jax" else bench_torch
             print("RESULT " + json.dumps(run(cfg, args, batch)), flush=True)
             return 0
-        results = {fw: in_subprocess(fw, name, args) for fw in (["jax"] if args.no_torch else ["jax", "torch"])}
+        tokens = args.batch * args.seq
+        flops = step_flops(flops_model(cfg), np.full(args.batch, args.seq), np.full(args.batch, resp))
+        results = {"jax": in_subprocess("jax", name, args)}
+        for v in variants:
+            results[f"torch:{v}"] = in_subprocess("torch", name, args, v)
+        jax_remat = args.remat + (f", unroll {args.unroll or 'all'}" if args.unroll != 1 else "") + \
+            ("" if args.head_remat else ", head kept")
+        labels = {"ckpt": "checkpointing", "nockpt": "no checkpointing", "compile": "torch.compile, no checkpointing"}
         for fw, r in results.items():
-            tps = tokens / r["step_s"]
-            remat = args.remat if fw == "jax" else ("checkpointing" if args.torch_ckpt else "none")
-            if fw == "jax" and args.unroll != 1:
-                remat += f", unroll {args.unroll or 'all'}"
-            if fw == "jax" and not args.head_remat:
-                remat += ", head kept"
-            row = {"model": name, "framework": fw, "remat": remat, "batch": args.batch, "seq": args.seq, "tokens_per_s": tps,
-                   "mfu": fpt * tps / (peak * jax.device_count()), "flops_per_token": fpt,
-                   "peak_tflops": peak / 1e12, "device": jax.devices()[0].device_kind, **r}
+            row = {"model": name, "framework": fw.split(":")[0],
+                   "config": jax_remat if fw == "jax" else labels[fw.split(":")[1]], "batch": args.batch,
+                   "seq": args.seq, "device": jax.devices()[0].device_kind, **r}
+            if "step_s" in r:
+                row.update(tokens_per_s=tokens / r["step_s"], mfu=flops / r["step_s"] / (peak * jax.device_count()))
             rows.append(row)
             print(json.dumps(row))
-        if "torch" in results:
-            print(f"{name}: jax/torch tokens/s = {results['torch']['step_s'] / results['jax']['step_s']:.2f}x")
-    print(f"\n{'model':14} {'fw':6} {'remat':24} {'step_s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8}")
+        ran = {fw: r for fw, r in results.items() if fw != "jax" and "step_s" in r}
+        figures = {"jax_tokens_per_s": tokens / results["jax"]["step_s"], "jax_mfu": rows[-len(results)]["mfu"],
+                   "jax_peak_mem_gb": results["jax"]["peak_mem_gb"]}
+        for fw, r in results.items():
+            if fw != "jax":
+                key = fw.split(":")[1]
+                figures[f"torch_{key}_tokens_per_s"] = tokens / r["step_s"] if "step_s" in r else r.get("error")
+        if ran:
+            best = min(ran, key=lambda k: ran[k]["step_s"])
+            figures["torch_best"] = best.split(":")[1]
+            figures["jax_over_torch_best"] = ran[best]["step_s"] / results["jax"]["step_s"]
+            print(f"{name}: JAX / fastest torch ({labels[figures['torch_best']]}) = {figures['jax_over_torch_best']:.2f}x")
+        if not args.no_ledger:
+            from scripts import ledger
+
+            row = ledger.make_row("update", figures, samples={"steps": args.steps}, model=name, batch=args.batch,
+                                  seq=args.seq, jax_config=jax_remat, peak_tflops=peak / 1e12)
+            print(f"ledger: {ledger.append(row, args.ledger)}")
+    print(f"\n{'model':14} {'fw':6} {'config':34} {'step_s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8}")
     for r in rows:
-        print(f"{r['model']:14} {r['framework']:6} {r['remat']:24} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%} "
-              f"{r['peak_mem_gb']:8.1f}")
+        if "step_s" in r:
+            print(f"{r['model']:14} {r['framework']:6} {r['config']:34} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} "
+                  f"{r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
+        else:
+            print(f"{r['model']:14} {r['framework']:6} {r['config']:34} {r.get('error')}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     return 0

@@ -11,7 +11,7 @@ runs in its own process (clean compile caches and peak-memory counters). Phases,
 (generation and rewards excluded: they do not depend on the mesh): old_log_prob (actor forward),
 values (critic forward), update_critic, update_actor: one mini-batch of `--batch` sequences of `--seq`
 tokens (half prompt, half response), fp32 master weights, bf16 compute, `--remat`. Median over
-`--steps`. MFU: (6N + attention) FLOPs per token of the actor update over the measured bf16 matmul
+`--steps`. MFU: model FLOPs as computed (jaxppo/perf.py) of the actor update over the specified bf16
 peak times the devices used. `--actor-only`: the critic's phases are left out (a 7B actor and critic
 with fp32 masters and AdamW do not fit on two H200s).
 """
@@ -49,7 +49,7 @@ def run_one(args) -> dict:
     from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
     from jaxppo.engine import ActorEngine, CriticEngine
     from jaxppo.models import abstract_params, build_model, init_params
-    from jaxppo.perf import measure_matmul_peak, train_flops_per_token
+    from jaxppo.perf import device_peak_flops, flops_model, step_flops
     from jaxppo.sharding import make_mesh, param_shardings
     from scripts.bench_update import synthetic_batch
     from scripts.shapes import SHAPES
@@ -114,13 +114,14 @@ def run_one(args) -> dict:
         profile = summarise(load_events(traces[-1]), top=12) if traces else None
     tokens = args.batch * args.seq
     step = sum(times.values())
-    peak = measure_matmul_peak()
+    peak = device_peak_flops()[0]  # the card's specified peak (a measured one where it is not known)
+    flops = step_flops(flops_model(cfg), np.full(args.batch, args.seq), np.full(args.batch, resp))
     mem = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat)
     return {"model": args.model, "mesh": args.one, "devices": n_dev, "batch": args.batch, "seq": args.seq,
             "micro_per_device": micro,
             "step_s": step, **{f"{k}_s": v for k, v in times.items()}, "tokens_per_s": tokens / step,
             "update_tokens_per_s": tokens / (times["update_actor"] + times.get("update_critic", 0.0)),
-            "mfu_actor": train_flops_per_token(cfg, args.seq) * tokens / times["update_actor"] / (peak * n_dev),
+            "mfu_actor": flops / times["update_actor"] / (peak * n_dev), "peak_tflops": peak / 1e12,
             "peak_mem_gb_per_device": mem / 2**30, "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, **({"profile": profile} if profile else {})}
 

