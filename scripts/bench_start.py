@@ -1,12 +1,14 @@
 """Trainer starts, each in a fresh process: does every start succeed, and how long does it take?
 
     python scripts/bench_start.py --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --starts 8 \
-        [--clear first|every|none] [--last-steps 10] [config overrides]
+        [--clear first|every|none] [--first-steps 10] [--deadline-s 540] [config overrides]
 
 Each start is `scripts/bench_ppo_step.py` in a new process: the trainer built on the committed config (in-process
 vLLM with its default CUDA-graph mode unless the config says otherwise, JAX actor / critic / reference), then
-one PPO step (which generates, scores, runs the forward passes and both updates). `--last-steps N` makes the
-last start the step benchmark (N steps, medians of steps 3..N, standalone generation; its own ledger row).
+one PPO step (which generates, scores, runs the forward passes and both updates). `--first-steps N` makes the
+first start the step benchmark as well (N steps, medians of steps 3..N, standalone generation; its own ledger
+row). `--deadline-s` stops launching starts that would not finish in time (the last start's wall time is the
+guess); what ran is reported and recorded either way.
 
 `--clear` deletes the caches a start could depend on before the first start (`first`, the default), before
 every start (`every`) or never: vLLM's (~/.cache/vllm: compiled graphs, model info), inductor's
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", required=True)
     p.add_argument("--starts", type=int, default=8)
     p.add_argument("--clear", choices=["first", "every", "none"], default="first")
-    p.add_argument("--last-steps", type=int, default=1, help="steps of the last start (>= 10: the step benchmark)")
+    p.add_argument("--first-steps", type=int, default=1, help="steps of the first start (>= 10: the step benchmark)")
+    p.add_argument("--deadline-s", type=float, default=0.0, help="launch no start past this many seconds (0: none)")
     p.add_argument("--logs", default="/tmp/jaxppo_starts")
     p.add_argument("--workdir", default="/tmp/jaxppo_ppo_bench")
     p.add_argument("--json-out", default=None)
@@ -96,12 +99,18 @@ def main(argv=None) -> int:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     records, cleared = [], []
+    t0 = time.perf_counter()
     for i in range(1, args.starts + 1):
+        if args.deadline_s and records and time.perf_counter() - t0 + records[-1]["wall_s"] > args.deadline_s:
+            print(f"deadline: start {i} of {args.starts} would end after {args.deadline_s:.0f} s; stopping", flush=True)
+            break
         if args.clear == "every" or (args.clear == "first" and i == 1):
             cleared.append({"before_start": i, "removed": clear_caches()})
-        rec = one_start(i, args, args.last_steps if i == args.starts else 1, logs)
+        rec = one_start(i, args, args.first_steps if i == 1 else 1, logs)
         records.append(rec)
         print(json.dumps(rec), flush=True)
+        if args.json_out:  # after every start: a call cut short still leaves what ran
+            Path(args.json_out).write_text(json.dumps({"starts": records, "cleared": cleared}, indent=2))
     ok = sum(r["ok"] for r in records)
     print(f"\n{args.shape} ({args.config}): {ok} of {len(records)} starts succeeded")
     print(f"{'start':>5} {'rc':>4} {'wall s':>7} {'vLLM init s':>11} {'compile s':>9} {'capture s':>9}  cudagraph mode")
@@ -109,14 +118,15 @@ def main(argv=None) -> int:
         print(f"{r['start']:>5} {r['rc']:>4} {r['wall_s']:>7.1f} {r.get('vllm_start_s') or float('nan'):>11.1f} "
               f"{r.get('vllm_compile_s', float('nan')):>9.1f} {r.get('vllm_capture_s', float('nan')):>9.1f}  "
               f"{r.get('cudagraph_mode', r.get('error', ''))}")
-    result = {"config": args.config, "shape": args.shape, "starts": records, "succeeded": ok, "cleared": cleared}
+    result = {"config": args.config, "shape": args.shape, "starts": records, "succeeded": ok, "cleared": cleared,
+              "requested": args.starts}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     if not args.no_ledger:
         from scripts import ledger
 
         modes = sorted({str(r.get("cudagraph_mode")) for r in records if r["ok"]})
-        figures = {"starts": len(records), "succeeded": ok, "cudagraph_modes": modes,
+        figures = {"starts": len(records), "succeeded": ok, "requested": args.starts, "cudagraph_modes": modes,
                    "wall_s": [r["wall_s"] for r in records],
                    "vllm_start_s": [r.get("vllm_start_s") for r in records],
                    "vllm_compile_s": [r.get("vllm_compile_s") for r in records],
@@ -126,7 +136,7 @@ def main(argv=None) -> int:
                               failures=[{"start": r["start"], "rc": r["rc"], "error": r.get("error")}
                                         for r in records if not r["ok"]])
         print(f"ledger: {ledger.append(row, args.ledger)}")
-    return 0 if ok == len(records) else 1
+    return 0 if ok == len(records) == args.starts else 1
 
 
 if __name__ == "__main__":
