@@ -33,7 +33,7 @@ from jaxppo.models.config import ModelConfig
 MARGIN = 0.05  # CUDA context, cuBLAS / cuDNN workspaces, NCCL buffers, fragmentation
 GiB = 2**30
 OVERHEAD_BYTES = 2 * GiB  # per device, besides the components below
-ACT_PER_LAYER = {"full": 10.0, "dots": 16.0, "dots_attn": 17.0, "none": 30.0}  # hidden-sized vectors per token per layer
+ACT_PER_LAYER = {"full": 10.0, "dots": 25.0, "dots_attn": 26.0, "none": 40.0}  # hidden-sized vectors per token per layer
 FORWARD_PER_TOKEN = 25.0  # hidden-sized vectors per token of a forward-only pass (one layer's transients)
 HEAD_TEMPS = 3  # float32 [tokens, vocab] temporaries of a head chunk: logits, softmax, cotangent
 AUTO_MAX_BUDGET = 32768  # the largest token budget chosen automatically (per device per micro-batch)
