@@ -15,10 +15,11 @@ What JAX holds, per device (sharded states divided by mesh.fsdp x mesh.tensor):
   activations  per token of a micro-batch, by remat policy, plus the vocabulary head's logits
   overhead     CUDA context, cuDNN / cuBLAS workspaces, batch buffers
 Activation bytes per token are empirical: per decoder layer, `ACT_PER_LAYER[remat]` hidden-sized vectors of
-the compute dtype, fitted to XLA's peaks on the H200 (Qwen2.5 0.5B / 1.5B, 8 x 1024 tokens, unrolled layers:
-dots_attn 1.23 / 1.87 MB per token measured, 1.19 / 1.92 estimated; full remat 0.84 MB per token at 1.5B
-in a critic update). A scanned layer loop holds less (1.16 MB at 1.5B, dots_attn): the estimate is an
-upper bound there.
+the compute dtype, fitted to what XLA asked for on the H200 (jax 0.11.2) with packed rows and unrolled layers:
+the 1.5B critic update with dots_attn asked 71.3 GiB at ~23.5k tokens per row (2.8 MB per token beside its
+gradients: 33 vectors), the 0.5B step peaked at 51.7 GiB with ~24.5k-token rows (34 vectors); with full
+remat the 1.5B critic asked 30.9 GiB at ~24.5k tokens (12 vectors). Short padded rows hold about half of
+that per token (1.87 MB at 1.5B, 8 x 1024 tokens, dots_attn unrolled): the estimate is an upper bound there.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from jaxppo.models.config import ModelConfig
 MARGIN = 0.05  # CUDA context, cuBLAS / cuDNN workspaces, NCCL buffers, fragmentation
 GiB = 2**30
 OVERHEAD_BYTES = 2 * GiB  # per device, besides the components below
-ACT_PER_LAYER = {"full": 10.0, "dots": 25.0, "dots_attn": 26.0, "none": 40.0}  # hidden-sized vectors per token per layer
+ACT_PER_LAYER = {"full": 13.0, "dots": 35.0, "dots_attn": 36.0, "none": 50.0}  # hidden-sized vectors per token per layer
 FORWARD_PER_TOKEN = 25.0  # hidden-sized vectors per token of a forward-only pass (one layer's transients)
 HEAD_TEMPS = 3  # float32 [tokens, vocab] temporaries of a head chunk: logits, softmax, cotangent
 AUTO_MAX_BUDGET = 32768  # the largest token budget chosen automatically (per device per micro-batch)
