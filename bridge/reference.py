@@ -129,10 +129,23 @@ def _micro_batches(batch: dict, n_micro: int) -> list[dict]:
     return [{k: v[i::n_micro] for k, v in batch.items()} for i in range(n_micro)]
 
 
+def full_kl(model, ref_model, batch: dict, response_length: int, temperature: float = 1.0,
+            autocast: torch.dtype | None = None) -> torch.Tensor:
+    """Exact KL(policy || reference) over the vocabulary at each response position, both at the temperature."""
+    r = response_length
+    logp = torch.log_softmax(_forward(model, batch, r, autocast).float() / temperature, -1)
+    with torch.no_grad():
+        logq = torch.log_softmax(_forward(ref_model, batch, r, autocast).float() / temperature, -1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
 def actor_update(model, optimizer, minibatch: dict, cfg, response_length: int, lr: float, n_micro: int = 1,
-                 temperature: float = 1.0, autocast: torch.dtype | None = None) -> dict[str, float]:
+                 temperature: float = 1.0, autocast: torch.dtype | None = None, ref_model=None,
+                 grads: dict | None = None) -> dict[str, float]:
     """One optimizer step of the PPO actor on a mini-batch (micro-batch gradients accumulated): the
-    dual-clip surrogate, entropy bonus, optional KL-to-reference loss; global-norm clipping; AdamW."""
+    dual-clip surrogate, entropy bonus, optional KL-to-reference loss (per-token estimator of the reference
+    log-probs, or `kl_loss_type=full`: the exact KL against `ref_model`); global-norm clipping; AdamW.
+    `grads`: filled with each parameter's gradient before clipping (float64 copies)."""
     c = cfg  # jaxppo.config.ActorConfig
     mask = minibatch["response_mask"]
     num_tokens, num_seqs = mask.sum().clamp(min=1), (mask.sum(-1) > 0).sum().clamp(min=1)
@@ -154,7 +167,9 @@ def actor_update(model, optimizer, minibatch: dict, cfg, response_length: int, l
             entropy = entropy.detach()
         loss = pg_loss - c.entropy_coeff * agg_loss(entropy, m, c.loss_agg_mode, **norm)
         if c.use_kl_loss:
-            kl_loss = agg_loss(kl_estimate(logprob, mb["ref_logprobs"], c.kl_loss_type), m, c.loss_agg_mode, **norm)
+            kl = (full_kl(model, ref_model, mb, response_length, temperature, autocast) if c.kl_loss_type == "full"
+                  else kl_estimate(logprob, mb["ref_logprobs"], c.kl_loss_type))
+            kl_loss = agg_loss(kl, m, c.loss_agg_mode, **norm)
             loss = loss + c.kl_loss_coef * kl_loss
             totals["kl_loss"] += kl_loss.detach()
         loss.backward()
@@ -162,12 +177,19 @@ def actor_update(model, optimizer, minibatch: dict, cfg, response_length: int, l
         totals["pg_clipfrac"] += ((l2 > l1).float() * m).sum().detach() / num_tokens
         totals["ppo_kl"] += (-log_ratio * m).sum().detach() / num_tokens
         totals["entropy"] += (entropy.detach() * m).sum() / num_tokens
+    _keep_grads(model, grads)
     grad_norm = _clip_and_step(model, optimizer, c.optim.grad_clip, lr)
     return {k: v.item() for k, v in totals.items()} | {"grad_norm": grad_norm.item()}
 
 
+def _keep_grads(model, grads: dict | None) -> None:
+    if grads is not None:
+        grads.update({n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+
+
 def critic_update(critic, optimizer, minibatch: dict, cfg, response_length: int, lr: float, n_micro: int = 1,
-                  autocast: torch.dtype | None = None) -> dict[str, float]:
+                  autocast: torch.dtype | None = None, grads: dict | None = None) -> dict[str, float]:
     """One optimizer step of the clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2))."""
     mask = minibatch["response_mask"]
     num_tokens, num_seqs = mask.sum().clamp(min=1), (mask.sum(-1) > 0).sum().clamp(min=1)
@@ -182,6 +204,7 @@ def critic_update(critic, optimizer, minibatch: dict, cfg, response_length: int,
         loss.backward()
         totals["vf_loss"] += loss.detach()
         totals["vf_clipfrac"] += ((l2 > l1).float() * m).sum().detach() / num_tokens
+    _keep_grads(critic, grads)
     grad_norm = _clip_and_step(critic, optimizer, cfg.optim.grad_clip, lr)
     return {k: v.item() for k, v in totals.items()} | {"grad_norm": grad_norm.item()}
 

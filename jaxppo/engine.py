@@ -343,12 +343,11 @@ class _Base:
         self.compiled_shapes.add(packed.shape_key)
         return self._to_global(packed.arrays, axis=1)
 
-    def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch, extra: Any = None
-                    ) -> tuple[TrainState, dict]:
-        """Sum gradients of micro-batch losses (already normalised by mini-batch counts) in one scan,
-        then one clipped AdamW step. Metrics are summed over micro-batches (they are normalised alike).
-        A packed mini-batch (jaxppo/packing.py) arrives already split into micro-batches. `extra` (e.g. the
-        reference parameters of the exact-KL loss) reaches every micro-batch's loss unchanged."""
+    def _gradients(self, loss_fn: Callable, params: Any, minibatch: Batch, extra: Any = None):
+        """(gradients, per-micro-batch losses, per-micro-batch metrics) of a mini-batch: micro-batch losses
+        (already normalised by mini-batch counts) summed in one scan. A packed mini-batch (jaxppo/packing.py)
+        arrives already split into micro-batches. `extra` (e.g. the reference parameters of the exact-KL loss)
+        reaches every micro-batch's loss unchanged."""
         micro = self._micro_batches(minibatch, self.micro_batch_per_device)
         num_tokens, num_seqs = _norms(minibatch["response_mask"])
         if "seq_count" in minibatch:  # packed rows are not sequences
@@ -373,7 +372,7 @@ class _Base:
             # their sums once, after the scan (left to the partitioner, the accumulator would be reduced
             # after every micro-batch: seen in the compiled HLO). Gather-once fsdp: the compute-dtype copy is
             # gathered on entry, gradients are reduce-scattered back to the parameters' shards on exit.
-            specs, dtypes = self._param_specs, jax.tree.map(lambda p: p.dtype, state.params)
+            specs, dtypes = self._param_specs, jax.tree.map(lambda p: p.dtype, params)
 
             def local(params, micro, num_tokens, num_seqs, extra):
                 # upcast: differentiate with respect to parameters of the master dtype, exactly as without
@@ -385,13 +384,19 @@ class _Base:
                 return jax.tree.map(reduce, grads, specs), jax.lax.psum(aux, ("data", "fsdp"))
 
             micro_specs = jax.tree.map(lambda x: P(None, ("data", "fsdp")), micro)
-            params = self._compute_copy(state.params) if self.gather_once else state.params
-            grads, (losses, metrics) = jax.shard_map(
+            shipped = self._compute_copy(params) if self.gather_once else params
+            return jax.shard_map(
                 local, mesh=self.mesh, in_specs=(P(), micro_specs, P(), P(), P()), out_specs=(specs, P()),
                 check_vma=False,
-            )(params, micro, num_tokens, num_seqs, extra)
-        else:
-            grads, (losses, metrics) = scan_grads(state.params, micro, num_tokens, num_seqs, extra)
+            )(shipped, micro, num_tokens, num_seqs, extra)
+        return scan_grads(params, micro, num_tokens, num_seqs, extra)
+
+    def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch, extra: Any = None
+                    ) -> tuple[TrainState, dict]:
+        """The mini-batch's summed gradients (`_gradients`), then one clipped AdamW step unless the loss or
+        gradients are not finite or a guard fires. Metrics are summed over micro-batches (they are
+        normalised alike)."""
+        grads, (losses, metrics) = self._gradients(loss_fn, state.params, minibatch, extra)
         grad_norm = optax.global_norm(grads)
         metrics = jax.tree.map(jnp.sum, metrics)
         loss = jnp.sum(losses)
@@ -411,6 +416,14 @@ class _Base:
         metrics.update(loss=loss, grad_norm=grad_norm, lr=self.schedule(state.step),
                        skipped=1.0 - ok.astype(jnp.float32), nonfinite=1.0 - finite.astype(jnp.float32))
         return TrainState(params, opt_state, state.step + ok.astype(state.step.dtype)), metrics
+
+    def gradients(self, params: Any, minibatch: Batch, extra: Any = None) -> Any:
+        """The gradient `update` would apply to `params` for this mini-batch, before clipping (for
+        cross-framework comparison; not on the training path)."""
+        self._remember_specs(params)
+        fn = jax.jit(lambda p, b, e: self._gradients(self._loss, p, b, e)[0])
+        with self._ctx():
+            return fn(params, minibatch, extra if getattr(self, "full_kl", False) else None)
 
     def update(self, state: TrainState, minibatch: Batch, extra: Any = None) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch (the state's buffers are donated)."""
