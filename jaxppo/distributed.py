@@ -5,6 +5,13 @@ The environment is jaxppo's own (`python -m jaxppo.launch` sets JAXPPO_COORDINAT
 JAXPPO_NUM_PROCESSES, JAXPPO_PROCESS_ID, JAXPPO_LOCAL_DEVICE_IDS), torchrun's (MASTER_ADDR,
 MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK) or SLURM's (SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, with
 MASTER_ADDR / MASTER_PORT or JAXPPO_COORDINATOR for the coordinator). One process: nothing to do.
+
+Which GPU a process uses: its own GPU is listed first in CUDA_VISIBLE_DEVICES and every framework takes
+device 0 (JAX through local_device_ids=(0,), torch and an in-process vLLM, whose single-process worker
+always opens cuda:0). `jaxppo.launch` sets that up; under torchrun or SLURM, `initialize_from_env` moves the
+GPU of the rank's local index (LOCAL_RANK / SLURM_LOCALID) to the front of CUDA_VISIBLE_DEVICES itself,
+before any framework touches a GPU, so the launcher's environment needs no change. The other GPUs stay
+visible, so NCCL can still use NVLink between the processes.
 """
 
 from __future__ import annotations
@@ -36,11 +43,33 @@ def topology_from_env(env: dict[str, str] | None = None) -> Topology | None:
         f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_ADDR" in env and "MASTER_PORT" in env else None)
     if "WORLD_SIZE" in env and "RANK" in env and coord:  # torchrun
         local = env.get("LOCAL_RANK")
-        return Topology(coord, int(env["WORLD_SIZE"]), int(env["RANK"]), (int(local),) if local else None)
+        return Topology(coord, int(env["WORLD_SIZE"]), int(env["RANK"]), (0,) if local else None)
     if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and coord:
         local = env.get("SLURM_LOCALID")
-        return Topology(coord, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]), (int(local),) if local else None)
+        return Topology(coord, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]), (0,) if local else None)
     return None
+
+
+def own_gpu_first(env: dict[str, str] | None = None) -> str | None:
+    """CUDA_VISIBLE_DEVICES with this rank's GPU (index LOCAL_RANK / SLURM_LOCALID of the visible list) first,
+    for torchrun / SLURM ranks; None where there is nothing to reorder (jaxppo.launch already did, one process,
+    or no GPU)."""
+    env = dict(os.environ if env is None else env)
+    if "JAXPPO_NUM_PROCESSES" in env:
+        return None
+    local = env.get("LOCAL_RANK") if "WORLD_SIZE" in env else env.get("SLURM_LOCALID")
+    if local is None:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        from jaxppo.launch import _gpu_count
+
+        visible = ",".join(str(i) for i in range(_gpu_count()))
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    i = int(local)
+    if not ids or i >= len(ids):
+        return None
+    return ",".join(ids[i:] + ids[:i])
 
 
 def initialize_from_env() -> Topology | None:
@@ -50,6 +79,10 @@ def initialize_from_env() -> Topology | None:
     topo = topology_from_env()
     if topo is None or topo.num_processes <= 1:
         return None
+    if os.environ.get("JAX_PLATFORMS", "") != "cpu":
+        order = own_gpu_first()
+        if order is not None:  # before any framework initialises CUDA (it reads the variable then)
+            os.environ["CUDA_VISIBLE_DEVICES"] = order
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -129,5 +162,5 @@ def any_process(flag: bool) -> bool:
     return bool(gather_rows(np.array([int(flag)])).any())
 
 
-__all__ = ["Topology", "topology_from_env", "initialize_from_env", "share", "gather_rows", "gather_ragged",
+__all__ = ["Topology", "topology_from_env", "own_gpu_first", "initialize_from_env", "share", "gather_rows", "gather_ragged",
            "local_rows", "any_process", "process_count", "is_main", "barrier"]

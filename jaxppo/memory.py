@@ -159,8 +159,9 @@ class MemoryEstimate:
         if self.card:
             lines.append(f"  {'JAX limit':<32}{gb(self.jax_limit)}  ({self.jax_limit / self.card:.2f} of a "
                          f"{self.card / GiB:.0f} GiB card)")
-            lines.append(f"  {'vLLM share':<32}{gb(self.vllm_bytes)}  (needs about {self.vllm_needs / GiB:.1f} GiB: "
-                         f"weights, the batch's KV cache, graphs)")
+            if self.vllm_bytes is not None:
+                lines.append(f"  {'vLLM share':<32}{gb(self.vllm_bytes)}  (needs about {self.vllm_needs / GiB:.1f} "
+                             "GiB: weights, the batch's KV cache, graphs)")
         return "\n".join(lines)
 
 

@@ -4,9 +4,13 @@ Engines live in `bridge.engines` (transformers, in-process vLLM). The trainer ha
 iterator of (Hugging Face name, jax.Array) consumed during `update_weights` (the engine converts each
 array through DLPack), and gets back `Rollouts` as numpy arrays.
 
-Log-prob semantics (all engines): log softmax(logits / temperature) of the sampled token over the full
-vocabulary, i.e. the distribution sampled from before top-k / top-p truncation. The trainer's own
-log-probs use the same temperature, so the two are comparable token by token.
+Log-prob semantics (all engines, as vLLM's `processed_logprobs`): the log-prob of the sampled token under the
+distribution it was sampled from: softmax(logits / temperature) restricted to the top-k tokens and then to
+the top-p nucleus, renormalised (with neither, the full vocabulary at the temperature). The policy the trainer
+optimises is the full softmax(logits / temperature) (verl's and TRL's convention); for the rollout-vs-trainer
+mismatch metrics it also computes the truncated log-probs (`jaxppo.engine.truncated_logprobs`), so both
+sides describe the same distribution. Truncated importance sampling (`actor.tis_threshold`) corrects from the
+engine's sampling distribution to the trainer's full policy, which is what it is for.
 """
 
 from __future__ import annotations

@@ -66,6 +66,29 @@ def test_two_processes_match_one(layout, one_process_run, tmp_path):
     assert (two / "checkpoints" / "2").is_dir()
 
 
+# the adaptive KL controller's horizon counts the step's samples over all processes (it counted one process's)
+ADAPTIVE = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10",
+            "algorithm.kl_ctrl.kl_coef=0.1", "trainer.total_training_steps=3"]
+
+
+@pytest.mark.slow
+def test_two_processes_move_the_adaptive_kl_coefficient_like_one(tmp_path):
+    runs = {}
+    for nproc in (1, 2):
+        run = tmp_path / f"p{nproc}"
+        cmd = ([sys.executable, "-m", "jaxppo.train"] if nproc == 1 else
+               [sys.executable, "-m", "jaxppo.launch", "--nproc", "2", "--"])
+        res = subprocess.run([*cmd, f"trainer.default_local_dir={run}", *SAME, *ADAPTIVE], cwd=ROOT,
+                             env=_env(2 if nproc == 1 else 1), capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-4000:]
+        runs[nproc] = read_metrics(run)
+    coefs = {n: [m[s]["actor/kl_coef"] for s in (1, 2, 3)] for n, m in runs.items()}
+    # step 1: reference == policy, so the KL is 0 and the error clips at -0.2; the horizon counts 8 prompts x 2
+    # samples = 16 (one process's 8 would give 0.1 x (1 - 0.2 x 8 / 10) = 0.084)
+    assert coefs[1][0] == pytest.approx(0.1 * (1 - 0.2 * 16 / 10), rel=1e-6)
+    assert coefs[2] == pytest.approx(coefs[1], rel=1e-6)
+
+
 @pytest.mark.slow
 def test_a_dead_process_stops_the_others(tmp_path):
     run = tmp_path / "run"
@@ -93,13 +116,28 @@ def test_topology_from_launcher_torchrun_and_slurm_environments():
     t = topology_from_env({"JAXPPO_COORDINATOR": "h:1", "JAXPPO_NUM_PROCESSES": "4", "JAXPPO_PROCESS_ID": "2",
                            "JAXPPO_LOCAL_DEVICE_IDS": "2"})
     assert (t.coordinator, t.num_processes, t.process_id, t.local_device_ids) == ("h:1", 4, 2, (2,))
+    # torchrun / SLURM: the rank's GPU is moved to the front of CUDA_VISIBLE_DEVICES, so JAX takes device 0 like
+    # torch and vLLM do (before: local_device_ids=(LOCAL_RANK,), another GPU than vLLM's cuda:0 after reordering)
     t = topology_from_env({"MASTER_ADDR": "m", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5",
                            "LOCAL_RANK": "1"})
-    assert (t.coordinator, t.num_processes, t.process_id, t.local_device_ids) == ("m:29500", 8, 5, (1,))
+    assert (t.coordinator, t.num_processes, t.process_id, t.local_device_ids) == ("m:29500", 8, 5, (0,))
     t = topology_from_env({"MASTER_ADDR": "m", "MASTER_PORT": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
                            "SLURM_LOCALID": "0"})
     assert (t.num_processes, t.process_id, t.local_device_ids) == (2, 1, (0,))
     assert topology_from_env({}) is None
+
+
+def test_each_torchrun_or_slurm_rank_gets_its_own_gpu_first():
+    from jaxppo.distributed import own_gpu_first
+
+    torchrun = {"MASTER_ADDR": "m", "MASTER_PORT": "1", "WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    orders = [own_gpu_first(dict(torchrun, RANK=str(r), LOCAL_RANK=str(r))) for r in range(4)]
+    assert orders == ["4,5,6,7", "5,6,7,4", "6,7,4,5", "7,4,5,6"]
+    assert len({o.split(",")[0] for o in orders}) == 4  # device 0 of each rank is a different GPU
+    slurm = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert own_gpu_first(slurm) == "1,0"
+    launched = dict(torchrun, LOCAL_RANK="2", JAXPPO_NUM_PROCESSES="4")  # jaxppo.launch reordered already
+    assert own_gpu_first(launched) is None
 
 
 def test_mesh_sweep_prints_one_row_per_mesh(tmp_path):

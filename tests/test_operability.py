@@ -14,7 +14,8 @@ from jaxppo import step as ppo_step
 from jaxppo.config import load_config
 from jaxppo.trainer import PPOTrainer
 from jaxppo.train import make_engine_factory
-from tests.train_helpers import FAST, ROOT, logged_step, read_metrics, run_train, start_train, wait_until
+from tests.train_helpers import (FAST, ROOT, assert_resumed_at_checkpoint, logged_step, read_metrics, run_train,
+                                 start_train, wait_until)
 
 # the FAST default on the 8 host devices of the test process (data=8: one sequence per device per micro-batch)
 MESH8 = ["mesh.data=-1", "actor.ppo_micro_batch_size_per_device=1", "critic.ppo_micro_batch_size_per_device=1",
@@ -200,7 +201,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path):
     assert "SIGTERM" in out and "resume" in out
     ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(ckpts) == 1 and 2 <= ckpts[0] < 5, ckpts
-    run_train(run, *common)
+    res = run_train(run, *common)
+    assert assert_resumed_at_checkpoint(run, res.stderr + res.stdout) == ckpts[0]
     a, b = read_metrics(straight), read_metrics(run)
     assert sorted(b) == [0, 1, 2, 3, 4, 5]
     for step in range(ckpts[0] + 1, 6):
@@ -209,3 +211,20 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path):
         assert ra.keys() == rb.keys()
         for k in ra:
             assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
+
+
+@pytest.mark.slow
+def test_sigint_stops_with_a_checkpoint_and_the_same_command_resumes(tmp_path):
+    common = [*FAST, "trainer.total_training_steps=4", "trainer.save_freq=-1", "trainer.test_freq=-1",
+              "trainer.sft_warmup_steps=0"]
+    run = tmp_path / "run"
+    proc = start_train(run, *common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_until(lambda: logged_step(run, 1), proc, "step 1")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "SIGINT" in out and "resume" in out, out[-3000:]
+    ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(ckpts) == 1 and 1 <= ckpts[0] < 4
+    res = run_train(run, *common)
+    assert assert_resumed_at_checkpoint(run, res.stderr + res.stdout) == ckpts[0]
+    assert sorted(read_metrics(run)) == [1, 2, 3, 4]

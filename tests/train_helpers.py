@@ -66,3 +66,21 @@ def wait_until(ready, proc: subprocess.Popen, what: str, timeout: float = 300) -
 def logged_step(run_dir: Path, step: int) -> bool:
     path = Path(run_dir) / "metrics.jsonl"
     return path.is_file() and f'"step": {step}' in path.read_text()
+
+
+def all_records(run_dir: Path) -> list[dict]:
+    """Every metrics record in the order written (a resumed run appends after the interrupted one)."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_resumed_at_checkpoint(run_dir: Path, output: str) -> int:
+    """The second process of a run resumed from its checkpoint: it says so, and no step up to the checkpoint was
+    logged twice (a run that silently started over would repeat steps 1..N). Returns the step resumed from."""
+    import re
+
+    found = re.findall(r"resumed from step (\d+)", output)
+    assert found, "the resumed process did not report resuming"
+    step = int(found[-1])
+    steps = [r["step"] for r in all_records(run_dir)]
+    assert step >= 1 and all(steps.count(s) == 1 for s in range(1, step + 1)), (step, steps)
+    return step

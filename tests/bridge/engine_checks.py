@@ -21,15 +21,17 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, vocab, size=n).tolist() for n in (5, 3, 7)]
 
 
-def trainer_logprobs(module, params, prompt_ids, rollouts, temperature):
+def trainer_logprobs(module, params, prompt_ids, rollouts, temperature, truncation=None):
+    """The trainer's log-probs of the rollouts: over the full vocabulary, or (with `truncation=(top_k, top_p)`)
+    also under the truncated distribution the engine samples from."""
     ids, mask = left_pad([np.asarray(p) for p in prompt_ids], 0)
     batch = train_sequences(ids, mask, rollouts)
     mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
     n = batch["input_ids"].shape[0]
     actor = ActorEngine(module, mesh, ActorConfig(log_prob_micro_batch_size_per_device=n, logprob_chunk_size=4),
                         rollouts.response_ids.shape[1], temperature=temperature)
-    lp, _ = actor.logprobs(params, actor.shard_batch(batch))
-    return np.asarray(lp)
+    out = actor.logprobs(params, actor.shard_batch(batch), truncation=truncation)
+    return np.asarray(out[0]) if truncation is None else (np.asarray(out[0]), np.asarray(out[2]))
 
 
 def check_logprobs_match_trainer(engine, module, params, vocab, temperature=0.7, tol=1e-4):
@@ -43,6 +45,23 @@ def check_logprobs_match_trainer(engine, module, params, vocab, temperature=0.7,
     diff = np.abs(ours - ro.logprobs)[m]
     assert diff.max() <= tol, diff.max()
     return ro
+
+
+def check_truncated_logprobs_match_trainer(engine, module, params, vocab, temperature=0.8, top_p=0.9, top_k=-1,
+                                           tol=1e-4):
+    """Under top-p / top-k the engine's log-probs describe the distribution it samples from (truncated and
+    renormalised); the trainer's sampling log-probs describe the same one, its full-vocabulary log-probs (the
+    policy it trains) do not."""
+    engine.update_weights(export_hf_arrays(params, jnp.float32))
+    p = prompts(vocab, seed=3)
+    ro = engine.generate(p, Sampling(n=2, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=MAX_TOKENS,
+                                     seed=2))
+    full, sampling = trainer_logprobs(module, params, p, ro, temperature, truncation=(top_k, top_p))
+    m = ro.response_mask > 0
+    diff = np.abs(sampling - ro.logprobs)[m]
+    assert diff.max() <= tol, diff.max()
+    assert np.all(full[m] <= sampling[m] + 1e-6)  # renormalising over fewer tokens can only raise a probability
+    assert np.abs(full - ro.logprobs)[m].max() > 10 * tol  # the full distribution is a different one
 
 
 def check_update_changes_outputs(engine, params, vocab):

@@ -25,6 +25,12 @@ def test_logprobs_match_trainer(setup):
     checks.check_logprobs_match_trainer(engine, module, params, cfg.vocab_size)
 
 
+@pytest.mark.parametrize("top_p,top_k", [(0.9, -1), (1.0, 5), (0.8, 20)])
+def test_truncated_sampling_logprobs_match_trainer(setup, top_p, top_k):
+    engine, module, params, cfg = setup
+    checks.check_truncated_logprobs_match_trainer(engine, module, params, cfg.vocab_size, top_p=top_p, top_k=top_k)
+
+
 def test_update_changes_outputs(setup):
     engine, module, params, cfg = setup
     checks.check_update_changes_outputs(engine, params, cfg.vocab_size)

@@ -26,6 +26,62 @@ def test_remat_policy_keeps_gradients(tiny_qwen, remat):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
 
 
+def _residual_bytes(tiny_qwen, remat: str, unroll: int = 1) -> int:
+    """Bytes the forward pass saves for the backward pass (jax's own account of a function's residuals)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, 100, (2, 12)), jnp.int32)
+    seg, pos = jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(12), ids.shape)
+    module, params, _ = load_model(tiny_qwen, remat=remat, scan_unroll=unroll)
+    loss = lambda p: jnp.mean(module.apply({"params": p}, ids, pos, seg, method="forward_logits") ** 2)  # noqa: E731
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, _ in saved_residuals(loss, params))
+
+
+def test_each_remat_policy_saves_what_it_says(tiny_qwen):
+    """none keeps every activation, full only each layer's input, dots the matmul outputs as well; dots_attn is
+    dots plus the fused attention's forward outputs, which exist only on GPU (cuDNN): on CPU it saves what dots
+    saves. A policy that was ignored would save what none saves."""
+    saved = {r: _residual_bytes(tiny_qwen, r) for r in ("none", "dots", "dots_attn", "full")}
+    assert saved["none"] > saved["dots"] > saved["full"], saved
+    assert saved["dots_attn"] == saved["dots"], saved
+
+
+def test_dots_attn_policy_keeps_the_cudnn_attention_forward():
+    from jaxppo.models.transformer import REMAT_POLICIES
+
+    class Prim:
+        def __init__(self, name):
+            self.name = name
+
+    policy, dots = REMAT_POLICIES["dots_attn"], REMAT_POLICIES["dots"]
+    attention = Prim("dot_product_attention_fwd_wrapper")  # the custom call JAX's cuDNN attention binds
+    assert policy(attention) and not dots(attention)
+    assert not policy(Prim("exp")) and not REMAT_POLICIES["full"](attention)
+
+
+@pytest.mark.parametrize("unroll", [0, 2])
+def test_scan_unroll_changes_the_program_not_the_numbers(tiny_qwen, unroll):
+    """model.scan_unroll: the same logits and gradients as the layer loop; unroll 0 leaves no loop at all."""
+    rng = np.random.default_rng(2)
+    ids = jnp.asarray(rng.integers(0, 100, (2, 12)), jnp.int32)
+    seg, pos = jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(12), ids.shape)
+
+    def run(u):
+        module, params, _ = load_model(tiny_qwen, remat="full", scan_unroll=u)
+        loss = lambda p: jnp.mean(module.apply({"params": p}, ids, pos, seg, method="forward_logits") ** 2)  # noqa: E731
+        hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+        return jax.value_and_grad(loss)(params), hlo
+
+    (l1, g1), loop_hlo = run(1)
+    (lu, gu), hlo = run(unroll)
+    np.testing.assert_allclose(lu, l1, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), gu, g1)
+    assert "while" in loop_hlo
+    if unroll == 0:  # (unroll 2 of this model's 2 layers is a whole unroll too)
+        assert "while" not in hlo
+
+
 def test_logprob_head_kept_or_recomputed_same_gradients(tiny_qwen):
     """`actor.logprob_remat=false` keeps the chunks' logits for the backward pass instead of computing
     them again: the same log-probs, entropies and gradients."""

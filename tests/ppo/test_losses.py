@@ -146,9 +146,13 @@ def test_kl_controllers():
     fixed = ppo.KLControlConfig(type="fixed", kl_coef=0.05)
     assert ppo.update_kl_coef(fixed, 0.05, 10.0, 256) == 0.05
     ada = ppo.KLControlConfig(type="adaptive", kl_coef=0.1, target_kl=0.1, horizon=1000)
-    for kl, n in [(0.5, 100), (0.01, 100), (0.11, 64), (0.0, 1000)]:
-        err = np.clip(kl / 0.1 - 1, -0.2, 0.2)
-        np.testing.assert_allclose(float(ppo.update_kl_coef(ada, 0.1, kl, n)), 0.1 * (1 + err * n / 1000), rtol=1e-12)
+    # Ziegler et al.: beta <- beta (1 + clip(kl / target - 1, -0.2, 0.2) n / horizon), worked by hand:
+    #   kl 0.5:  error clips at +0.2 -> 0.1 x (1 + 0.2 x 0.1)    = 0.102
+    #   kl 0.01: error -0.9 clips at -0.2 -> 0.1 x (1 - 0.02)    = 0.098
+    #   kl 0.11: error +0.1, n 64 -> 0.1 x (1 + 0.1 x 0.064)     = 0.10064
+    #   kl 0:    error -1 clips at -0.2, n 1000 -> 0.1 x 0.8      = 0.08
+    for kl, n, want in [(0.5, 100, 0.102), (0.01, 100, 0.098), (0.11, 64, 0.10064), (0.0, 1000, 0.08)]:
+        np.testing.assert_allclose(float(ppo.update_kl_coef(ada, 0.1, kl, n)), want, rtol=1e-6)
     with pytest.raises(ValueError, match="unknown kl_ctrl type"):
         ppo.update_kl_coef(ppo.KLControlConfig(type="pid"), 0.1, 0.1, 1)
 

@@ -1,0 +1,181 @@
+"""Trainer options through real (tiny, in-process) runs: critic-free estimators with resume, truncated IS,
+critic warm-up, several PPO epochs, early stopping on a metric to minimise, checkpoint retention, the
+rollout engine kept awake, a reward model as (or added to) the reward, a reward function that hangs, and
+the reference weights stored in the compute dtype."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxppo import step as ppo_step
+from jaxppo.trainer import PPOTrainer
+from tests.helpers import make_hf_checkpoint
+from tests.test_operability import host, make_trainer, same
+from tests.train_helpers import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
+def test_critic_free_estimators_train_and_resume(estimator, tmp_path):
+    args = (f"algorithm.adv_estimator={estimator}", "trainer.save_freq=1")
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=2", *args)
+    assert tr.critic is None and tr.state.critic is None
+    before = host(tr.actor_state.params)
+    tr.fit()
+    m = read_metrics(tmp_path / "run")
+    assert sorted(m) == [1, 2]
+    assert "actor/pg_loss" in m[2] and not any(k.startswith(("critic/vf_loss", "critic/values")) for k in m[2])
+    assert not same(before, host(tr.actor_state.params))
+    resumed = make_trainer(tmp_path, "trainer.total_training_steps=3", *args)
+    assert resumed.step == 2 and same(host(resumed.actor_state.params), host(tr.actor_state.params))
+    resumed.fit()
+    assert sorted(read_metrics(tmp_path / "run")) == [1, 2, 3] and resumed.step == 3
+
+
+def test_truncated_is_weights_reach_the_actor_batch(tmp_path, monkeypatch):
+    seen = []
+    inner = ppo_step.update
+
+    def spy(ctx, state, exp, step, timer):
+        seen.append((exp.batch.get("is_weights"), exp.batch["response_mask"]))
+        return inner(ctx, state, exp, step, timer)
+
+    monkeypatch.setattr(ppo_step, "update", spy)
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "actor.tis_threshold=1.5")
+    tr.fit()
+    w, rmask = seen[0]
+    valid = rmask > 0
+    assert w is not None and w.shape == rmask.shape
+    assert np.all(w[valid] > 0) and np.all(w[valid] <= 1.5 + 1e-6) and np.all(w[~valid] == 0)
+
+
+def test_critic_warmup_updates_only_the_critic_first(tmp_path):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=2", "trainer.critic_warmup=1")
+    before = host(tr.actor_state.params)
+    snapshots = []
+    step = tr.train_step
+    tr.train_step = lambda: (snapshots.append(host(tr.actor_state.params)), step())[1]
+    tr.fit()
+    m = read_metrics(tmp_path / "run")
+    assert "critic/vf_loss" in m[1] and "actor/pg_loss" not in m[1]
+    assert "critic/vf_loss" in m[2] and "actor/pg_loss" in m[2]
+    assert same(before, snapshots[1])  # step 1 left the actor alone
+    assert int(tr.actor_state.step) == 2  # optimizer steps: step 2's two mini-batches only
+
+
+def test_ppo_epochs_repeat_the_mini_batches(tmp_path):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "actor.ppo_epochs=2", "critic.ppo_epochs=3")
+    tr.fit()
+    assert int(tr.actor_state.step) == 2 * 2 and int(tr.critic_state.step) == 3 * 2  # epochs x mini-batches
+
+
+def test_early_stopping_on_a_metric_to_minimise(tmp_path):
+    values = iter([0.5, 0.4, 0.45, 0.6, 0.7, 0.8])  # best 0.4 at step 1, worse after it
+
+    class Rising(PPOTrainer):
+        def validate(self):
+            return {"val/loss": next(values)}
+
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=10", "trainer.test_freq=1", "trainer.val_before_train=true",
+                      "trainer.early_stop_patience=2", "trainer.early_stop_metric=val/loss", "trainer.early_stop_mode=min",
+                      cls=Rising)
+    tr.fit()
+    assert tr.best_val == pytest.approx(0.4) and tr.step == 3 and tr.stop_reason.startswith("early stop")
+
+
+def test_max_to_keep_retains_the_newest_checkpoints(tmp_path):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.max_to_keep=1")
+    tr.fit()
+    kept = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [3]
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_free_cache_engine_decides_whether_the_engine_sleeps(free, tmp_path):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=2", f"rollout.free_cache_engine={str(free).lower()}")
+    calls = {"sleep": 0, "wake": 0}
+    for name in calls:
+        inner = getattr(tr.engine, name)
+        setattr(tr.engine, name, lambda inner=inner, name=name: (calls.__setitem__(name, calls[name] + 1), inner())[1])
+    tr.fit()
+    assert calls["wake"] >= 2  # every generation wakes the engine
+    assert (calls["sleep"] >= 2) if free else (calls["sleep"] == 0)
+
+
+@pytest.mark.parametrize("combine", ["replace", "add"])
+def test_a_reward_model_scores_through_the_trainer(combine, tmp_path, tokenizer_dir, monkeypatch):
+    from jaxppo.data import load_tokenizer
+    from jaxppo.rewards.model import RewardModel
+
+    vocab = len(load_tokenizer(tokenizer_dir))
+    rm_dir = make_hf_checkpoint(tmp_path / "rm", "qwen2", head="score", vocab_size=vocab, seed=4)
+    rule_scores = []
+    inner = ppo_step.score_batch
+
+    def rule_spy(*a, **k):
+        res = inner(*a, **k)
+        rule_scores.append(res.scores.copy())
+        return res
+
+    monkeypatch.setattr(ppo_step, "score_batch", rule_spy)
+    model_scores = []
+    score = RewardModel.score
+    monkeypatch.setattr(RewardModel, "score", lambda self, ids, mask: model_scores.append(
+        np.asarray(score(self, ids, mask))) or model_scores[-1])
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=1", f"data.tokenizer={tokenizer_dir}",
+                      f"model.reward_model_path={rm_dir}", f"reward.reward_model_combine={combine}",
+                      "trainer.val_before_train=false", "trainer.test_freq=-1")
+    tr.fit()
+    m = read_metrics(tmp_path / "run")[1]
+    rm = model_scores[0]
+    expected = rm if combine == "replace" else rm + rule_scores[0]
+    assert (len(rule_scores) == 0) if combine == "replace" else (len(rule_scores) == 1)
+    assert m["critic/score/mean"] == pytest.approx(float(np.mean(expected)), rel=1e-5, abs=1e-6)
+    assert m["reward/model_score/mean"] == pytest.approx(float(np.mean(rm)), rel=1e-5, abs=1e-6)
+    assert np.std(rm) > 0  # a real model's scores, not a constant
+
+
+def test_a_hanging_reward_function_is_cut_off_and_counted(tmp_path, monkeypatch):
+    from jaxppo.rewards import registry
+
+    real = registry.get_reward_fn("synthetic/arithmetic")
+
+    def sometimes_hangs(solution, ground_truth, extra_info):
+        if len(solution) % 3 == 0:
+            time.sleep(10**6)
+        return real(solution, ground_truth, extra_info)
+
+    monkeypatch.setattr(registry, "get_reward_fn", lambda source: sometimes_hangs)
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "reward.timeout_s=0.2", "trainer.val_before_train=false",
+                      "trainer.test_freq=-1")
+    t0 = time.monotonic()
+    tr.fit()
+    m = read_metrics(tmp_path / "run")[1]
+    assert m["reward/timeouts"] >= 1 and m["reward/errors"] >= m["reward/timeouts"]
+    assert time.monotonic() - t0 < 120 and "actor/pg_loss" in m
+
+
+def test_reference_weights_in_the_compute_dtype_give_identical_log_probs(tmp_path):
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "model.dtype=bfloat16", "actor.use_kl_loss=true",
+                      "trainer.sft_warmup_steps=0")
+    ref = tr.state.ref_params
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(ref))
+    fp32_copy = jax.tree.map(lambda p: jnp.array(p, copy=True), tr.actor_state.params)  # what it used to be
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fp32_copy))
+    rng = np.random.default_rng(0)
+    b, p, r = 16, tr.P, tr.R
+    ids = rng.integers(1, tr.model_cfg.vocab_size, (b, p + r)).astype(np.int32)
+    mask = np.ones((b, p + r), np.int32)
+    mask[:, : p // 2] = 0
+    batch = {"input_ids": ids * mask, "attention_mask": mask, "positions": np.maximum(np.cumsum(mask, 1) - 1, 0)
+             .astype(np.int32), "response_mask": np.ones((b, r), np.float32)}
+    dev = tr.actor.shard_batch(batch)
+    lp_bf16 = np.asarray(tr.actor.logprobs(ref, dev)[0])
+    lp_fp32 = np.asarray(tr.actor.logprobs(fp32_copy, dev)[0])
+    np.testing.assert_array_equal(lp_bf16, lp_fp32)  # bit-identical: the forward casts to bf16 either way
