@@ -179,3 +179,27 @@ def test_reference_weights_in_the_compute_dtype_give_identical_log_probs(tmp_pat
     lp_bf16 = np.asarray(tr.actor.logprobs(ref, dev)[0])
     lp_fp32 = np.asarray(tr.actor.logprobs(fp32_copy, dev)[0])
     np.testing.assert_array_equal(lp_bf16, lp_fp32)  # bit-identical: the forward casts to bf16 either way
+
+
+def test_wandb_receives_the_resolved_config(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    calls = {}
+
+    class Run:
+        def log(self, metrics, step):
+            calls.setdefault("logged", []).append(step)
+
+        def finish(self):
+            calls["finished"] = True
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: (calls.__setitem__("init", kw), Run())[1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "trainer.logger=[wandb]", "actor.optim.lr=0.00042")
+    tr.fit()
+    config = calls["init"]["config"]
+    assert config["actor"]["optim"]["lr"] == pytest.approx(0.00042)
+    assert config["trainer"]["total_training_steps"] == 1 and config["rollout"]["n"] == 2
+    assert calls["logged"] and calls["finished"]

@@ -52,7 +52,7 @@ def configure_env(gpu: bool) -> None:
 @contextlib.contextmanager
 def thread_local_capture():
     """While vLLM starts (it captures its CUDA graphs then), torch.cuda.graph captures in
-    cudaStreamCaptureModeThreadLocal instead of torch's default, global (docs/gpu_starts.md).
+    cudaStreamCaptureModeThreadLocal instead of torch's default, global (docs/benchmarks.md, "Starts").
 
     In global mode a capture is invalidated by a potentially unsafe CUDA call (an allocation, a module
     load, a synchronising query) made by *any* thread of the process while the capture is open. In the

@@ -1,4 +1,4 @@
-source gpu_runs/common.sh
+source docs/benchmarks/device/2026-11-30_common.sh
 B="scripts/bench_update.py --model qwen2.5-1.5b --batch 8 --seq 1024 --steps 8 --remat dots_attn"
 i=0
 for V in "|" "--unroll 2|" "--unroll 4|" "|--xla_gpu_copy_insertion_use_region_analysis=true" "|--xla_gpu_enable_while_loop_double_buffering=true"; do

@@ -1,4 +1,4 @@
-source gpu_runs/common.sh
+source docs/benchmarks/device/2026-11-30_common.sh
 timeout 240 $PY scripts/mesh_sweep.py --model qwen2.5-1.5b --meshes "single;data=2;data=2,reduce=bfloat16" \
   --batch 16 --seq 1024 --steps 3 --micro-per-device 8 --profile /tmp/prof --json-out $OUT/mesh_sweep_bf16.json > $OUT/mesh_sweep_bf16.log 2>&1
 grep -A4 "^mesh " $OUT/mesh_sweep_bf16.log

@@ -1,4 +1,4 @@
-source gpu_runs/common.sh
+source docs/benchmarks/device/2026-11-30_common.sh
 ( export CUDA_VISIBLE_DEVICES=0
   timeout 300 $PY scripts/bench_packing.py --model qwen2.5-0.5b,qwen2.5-1.5b --seqs 64 --micro 8 --budget 8192 --steps 5 \
     --json-out $OUT/pack.json > $OUT/pack.log 2>&1

@@ -1,4 +1,4 @@
-bash .gpukit/install.sh; source gpu_runs/common.sh
+bash .gpukit/install.sh; source docs/benchmarks/device/2026-11-30_common.sh
 ( export CUDA_VISIBLE_DEVICES=1
   timeout 560 $PY scripts/bench_packing.py --model qwen2.5-0.5b,qwen2.5-1.5b --seqs 64 --micro 8 --budget 2048,4096,8192 --steps 3 \
     --json-out $OUT/bench_packing.json > $OUT/bench_packing.log 2>&1 ) &

@@ -1,4 +1,4 @@
-source gpu_runs/common.sh
+source docs/benchmarks/device/2026-11-30_common.sh
 B="scripts/bench_update.py --batch 8 --seq 1024 --steps 8 --remat dots_attn"
 ( export CUDA_VISIBLE_DEVICES=1
   timeout 280 $PY $B --model qwen2.5-1.5b --head-remat 0 --unroll 28 --profile /tmp/p1 --json-out $OUT/upd_15b_unroll28_head0.json > $OUT/upd_15b_unroll28_head0.log 2>&1

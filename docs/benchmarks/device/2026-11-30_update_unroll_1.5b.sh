@@ -1,4 +1,4 @@
-source gpu_runs/common.sh
+source docs/benchmarks/device/2026-11-30_common.sh
 ( export CUDA_VISIBLE_DEVICES=0
   B="scripts/bench_update.py --model qwen2.5-1.5b --batch 8 --seq 1024 --steps 8 --remat dots_attn"
   timeout 400 $PY $B --head-remat 0 --unroll 28 --json-out $OUT/upd_unroll28.json > $OUT/upd_unroll28.log 2>&1 ) &

@@ -1,4 +1,4 @@
-source gpu_runs/common.sh
+source docs/benchmarks/device/2026-11-30_common.sh
 $PY -c "import jax; from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version; print('cudnn', check_cudnn_version(), jax.__version__)"
 ( export CUDA_VISIBLE_DEVICES=0
   timeout 570 $PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 64 --micro 8 --budget 8192 --steps 5 \

@@ -1,0 +1,34 @@
+"""FLOPs as computed and the peak they are measured against (jaxppo/perf.py), by hand."""
+
+import numpy as np
+import pytest
+
+from jaxppo.models import ModelConfig
+from jaxppo.perf import SPEC_PEAK_FLOPS, device_peak_flops, flops_model, step_flops
+
+
+def test_flops_count_causal_attention_and_the_head_on_response_tokens_only():
+    cfg = ModelConfig(family="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                      rope_theta=1e4, tie_word_embeddings=True, attention_bias=True, max_position_embeddings=128)
+    m = flops_model(cfg)
+    # per layer: q 64x64, k and v 64x32 each, o 64x64, gate / up / down 64x128 each = 4096+2048+2048+4096+24576
+    assert m.per_token == 6 * 2 * (4096 + 2048 + 2048 + 4096 + 3 * 64 * 128)
+    assert m.attention == 6 * 2 * 64  # 6 x layers x (heads x head_dim): the lower triangle only
+    assert m.head == 6 * 64 * 1000
+    seq, resp = np.array([10, 30]), np.array([4, 20])
+    want = m.per_token * 40 + m.attention * (100 + 900) + m.head * 24
+    assert step_flops(m, seq, resp) == pytest.approx(want)
+    assert step_flops(flops_model(cfg, lm_head=False), seq) == pytest.approx(want - m.head * 24)
+
+
+def test_mfu_is_measured_against_the_card_specification():
+    assert SPEC_PEAK_FLOPS["NVIDIA H200"] == 989e12
+
+    class H200:
+        device_kind = "NVIDIA H200"
+        platform = "gpu"
+
+    assert device_peak_flops(H200()) == (989e12, "spec (NVIDIA H200)")
+    peak, source = device_peak_flops()  # this machine's CPU: not in the table, so measured
+    assert peak > 0 and source.startswith("measured")
