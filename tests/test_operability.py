@@ -227,4 +227,4 @@ def test_sigint_stops_with_a_checkpoint_and_the_same_command_resumes(tmp_path):
     assert len(ckpts) == 1 and 1 <= ckpts[0] < 4
     res = run_train(run, *common)
     assert assert_resumed_at_checkpoint(run, res.stderr + res.stdout) == ckpts[0]
-    assert sorted(read_metrics(run)) == [1, 2, 3, 4]
+    assert sorted(read_metrics(run)) == [0, 1, 2, 3, 4]  # (step 0: the validation before training)
