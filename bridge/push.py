@@ -127,6 +127,34 @@ class DirectCopy:
             done += k
         return done
 
+    def push_items(self, structure: Any, items: Iterable[tuple[tuple[str, ...], int | None, Any]]) -> int:
+        """Copy parameters produced one at a time into the engine's parameters: (path, layer, array) with `layer`
+        None for a whole parameter of `structure` (all its layers) or i for layer i of a stacked one (LoRA's merged
+        weights, made one layer at a time). Each copy is waited for before the next array is made, so only one
+        produced array exists at a time; the copy casts to the engine's dtype. Returns the tensor count."""
+        flat = traverse_util.flatten_dict(structure)
+        self._order(flat)
+        first, k = {}, 0
+        for path, v in flat.items():
+            first[path] = k
+            k += v.shape[0] if is_stacked(path) else 1
+        done = 0
+        for path, layer, array in items:
+            w = _whole_here(array)
+            if w is None:
+                raise PlanError(f"{path}: a pushed array sharded over several devices")
+            jax.block_until_ready(w)
+            src = torch.from_dlpack(w)
+            if layer is None and is_stacked(path):
+                dsts, srcs = self._dsts[first[path]:first[path] + src.shape[0]], list(src.unbind(0))
+            else:
+                dsts, srcs = [self._dsts[first[path] + (layer or 0)]], [src]
+            torch._foreach_copy_(dsts, srcs)
+            _wait(src)
+            done += len(dsts)
+            del w, src, srcs, array  # let the produced array go before the next is made
+        return done
+
     def copy(self, named: Iterable[tuple[str, torch.Tensor, bool]]) -> int:
         """Copy (name, source, borrowed) into place with casting; returns the number of tensors.
         Borrowed sources are copied together at the end; a fresh one (a gathered shard) at once, and

@@ -33,6 +33,60 @@ def hf_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray, position
     return out.logits.float().cpu().numpy()
 
 
+# ---------------------------------------------------------------- LoRA through the `peft` library
+
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_to_hf(name: str) -> str:
+    """A peft model's parameter name -> jaxppo's HF-style name: `base_model.model.X.lora_A.default.weight` ->
+    `X.lora_A` (how jaxppo names an adapter), `base_model.model.score.weight` -> `score.weight`."""
+    name = name.removeprefix(PEFT_PREFIX)
+    for key in ("lora_A", "lora_B"):
+        name = name.replace(f".{key}.default.weight", f".{key}")
+    return name
+
+
+def wrap_lora(model, rank: int, alpha: float, targets: tuple[str, ...], adapters: dict[str, np.ndarray],
+              train_head: bool = False):
+    """`model` wrapped by peft's LoRA (no dropout, no bias), its adapters set to `adapters` (jaxppo's names:
+    `model.layers.<i>.<module>.<proj>.lora_A` / `lora_B`, float32); only the adapters (and, with `train_head`,
+    the value head `score`) require gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                                             lora_dropout=0.0, bias="none"))
+    seen = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = peft_to_hf(name)
+            if key in adapters:
+                p.copy_(torch.tensor(np.array(adapters[key]), dtype=p.dtype))
+                seen.add(key)
+            if train_head and key.startswith("score."):
+                p.requires_grad_(True)
+    missing = set(adapters) - seen
+    if missing or not seen:
+        raise ValueError(f"peft model has no parameter for adapters {sorted(missing)[:4]} (of {len(adapters)})")
+    return model
+
+
+class AdaptersOff:
+    """A peft model called with its adapters disabled: the base model, which is the reference policy under LoRA."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kwargs):
+        with self.model.disable_adapter():
+            return self.model(**kwargs)
+
+
+def trainable_state(model, name=lambda n: n) -> dict[str, torch.Tensor]:
+    """float32 copies of the parameters that require gradients, keyed by `name(parameter name)`."""
+    return {name(n): p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 # ---------------------------------------------------------------- one PPO step in plain torch
 #
 # The same formulas as jaxppo.ppo / jaxppo.engine, written out directly over a transformers model so

@@ -102,22 +102,20 @@ def _rel(a, b, scale: float = 1e-6, mask=None) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), scale))
 
 
-def _sample_batch(actor_params, model_dir, cfg, dtype: str, device: str, num_seqs: int, prompt_len: int,
+def _sample_batch(weights, model_dir, cfg, dtype: str, device: str, num_seqs: int, prompt_len: int,
                   response_len: int, n: int, seed: int, pad_id: int, vocab: int):
     """Random prompts (lengths P/2..P, left-padded), responses sampled by the transformers rollout engine
-    from the actor's weights (pushed through DLPack), cut at random lengths 1..R (a random model
-    rarely samples an EOS), random 0/1 scores."""
+    from the actor's `weights` ((HF name, array) pairs, pushed through DLPack), cut at random lengths 1..R (a
+    random model rarely samples an EOS), random 0/1 scores."""
     from bridge.engines import make_engine
     from jaxppo.data import left_pad
-    from jaxppo.models.hf_io import export_hf_arrays
     from jaxppo.rollout import Sampling, train_sequences
-    import jax.numpy as jnp
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, vocab, size=int(k)) for k in rng.integers(max(prompt_len // 2, 1), prompt_len + 1,
                                                                             size=num_seqs // n)]
     engine = make_engine("hf", model_dir=model_dir, dtype=dtype, device=device, pad_token_id=pad_id)
-    engine.update_weights(export_hf_arrays(actor_params, {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]))
+    engine.update_weights(weights)
     ro = engine.generate([p.tolist() for p in prompts], Sampling(n=n, temperature=cfg.rollout.temperature,
                                                                   max_tokens=response_len, seed=seed))
     del engine
@@ -145,6 +143,7 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     from jaxppo.errors import ConfigError
     from jaxppo.models import load_model, save_hf_checkpoint
     from jaxppo.models.hf_io import export_hf_arrays
+    from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, split, zeros_like_adapters
     from jaxppo.sharding import make_mesh
 
     cfg = load_config(args.config, overrides)
@@ -168,35 +167,59 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     c_cfg = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=per_dev,
                                 log_prob_micro_batch_size_per_device=per_dev)
     use_ref = cfg.actor.use_kl_loss or alg.use_kl_in_reward
+    # LoRA (actor.lora_rank / critic.lora_rank > 0): jaxppo's adapters against peft's on the same base, from the
+    # same adapter initialisation; the reference is the base with the adapters off in both
+    a_lora, c_lora = spec_from(cfg.actor), spec_from(cfg.critic)
+    if a_lora.rank and args.ref:
+        raise ConfigError("--ref with actor.lora_rank > 0: under LoRA the reference policy is the base model "
+                          "(--model) with the adapters off")
 
     # ---- the same weights in both frameworks
-    actor_mod, actor_params, mcfg = load_model(args.model, **kw)
-    # (a copy: the actor's buffers are donated to its updates, and the exact-KL loss reads the reference there)
-    ref_params = load_model(args.ref, **kw)[1] if (use_ref and args.ref) else jax.tree.map(jnp.copy, actor_params)
+    actor_mod, actor_params, mcfg = load_model(args.model, rng=jax.random.PRNGKey(args.seed + 2), lora=a_lora, **kw)
     critic_mod, critic_params, _ = load_model(args.critic or args.model, "value", rng=jax.random.PRNGKey(args.seed),
-                                              **kw)
+                                              lora=c_lora, **kw)
     tmp = tempfile.TemporaryDirectory(prefix="jaxppo-compare-")
-    critic_dir = args.critic or str(save_hf_checkpoint(critic_params, mcfg, Path(tmp.name) / "critic", head="value"))
+    critic_dir = args.critic or str(save_hf_checkpoint(split(critic_params, is_adapter)[1], mcfg,
+                                                       Path(tmp.name) / "critic", head="value"))
     dev = args.device
     t_actor = ref_torch.load_hf_model(args.model, "float32", dev).train()
     t_critic = ref_torch.load_hf_model(critic_dir, "float32", dev).train()
-    t_ref = ref_torch.load_hf_model(args.ref, "float32", dev) if (use_ref and args.ref) else t_actor
     if cfg.model.remat != "none":
         for m in (t_actor, t_critic):
             m.gradient_checkpointing_enable()
+    hf32 = lambda tree: {n: np.asarray(x) for n, x in export_hf_arrays(tree, jnp.float32)}  # noqa: E731
+    t_name = ref_torch.peft_to_hf if (a_lora.rank or c_lora.rank) else (lambda n: n)
+    if a_lora.rank:
+        t_actor = ref_torch.wrap_lora(t_actor, a_lora.rank, a_lora.alpha, a_lora.targets,
+                                      hf32(split(actor_params, is_adapter)[0]))
+    if c_lora.rank:
+        t_critic = ref_torch.wrap_lora(t_critic, c_lora.rank, c_lora.alpha, c_lora.targets,
+                                       hf32(split(critic_params, is_adapter)[0]), train_head=True)
+    if a_lora.rank:
+        t_ref = ref_torch.AdaptersOff(t_actor)
+    else:
+        t_ref = ref_torch.load_hf_model(args.ref, "float32", dev) if (use_ref and args.ref) else t_actor
 
-    batch_np, scores, group_ids = _sample_batch(actor_params, args.model, cfg, args.dtype, dev, B, P, R,
+    push = LoRAWeights(*reversed(split(actor_params, is_adapter)), a_lora.scale, jdt) if a_lora.rank \
+        else export_hf_arrays(actor_params, jdt)
+    batch_np, scores, group_ids = _sample_batch(push, args.model, cfg, args.dtype, dev, B, P, R,
                                                 cfg.rollout.n, args.seed, mcfg.pad_token_id or 0, mcfg.vocab_size)
     rmask = batch_np["response_mask"]
     temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
     # ---- jaxppo
     total = K * cfg.actor.ppo_epochs
-    actor = ActorEngine(actor_mod, mesh, a_cfg, R, total, temp)
-    critic = CriticEngine(critic_mod, mesh, c_cfg, R, total)
+    actor = ActorEngine(actor_mod, mesh, a_cfg, R, total, temp, trainable=is_adapter if a_lora.rank else None)
+    critic = CriticEngine(critic_mod, mesh, c_cfg, R, total,
+                          trainable=(lambda p: is_adapter(p) or p[0] == "score") if c_lora.rank else None)
+    if not a_lora.rank:
+        # (a copy: the actor's buffers are donated to its updates, and the exact-KL loss reads the reference there)
+        ref_params = load_model(args.ref, **kw)[1] if (use_ref and args.ref) else jax.tree.map(jnp.copy, actor_params)
     a_state, c_state = actor.init_state(actor_params), critic.init_state(critic_params)
-    a0 = {n: np.asarray(x) for n, x in export_hf_arrays(a_state.params, jnp.float32)}
-    c0 = {n: np.asarray(x) for n, x in export_hf_arrays(c_state.params, jnp.float32)}
+    if a_lora.rank:  # the base with the adapters zeroed
+        ref_params = zeros_like_adapters(a_state.params)
+    del actor_params
+    a0, c0 = hf32(a_state.params), hf32(c_state.params)  # the trained parameters (under LoRA: the adapters)
     sharded = actor.shard_batch(batch_np)
     J: dict = {}
     J["old_logprobs"] = np.asarray(actor.logprobs(a_state.params, sharded)[0])
@@ -256,8 +279,7 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
         T["advantages"], T["returns"] = ref_torch.gae(t_rewards, T["values"], t_mask, alg.gamma, alg.lam)
     a_opt = ref_torch.make_adamw(t_actor, cfg.actor.optim)
     c_opt = ref_torch.make_adamw(t_critic, cfg.critic.optim)
-    ta0 = {k: v.detach().float().clone() for k, v in t_actor.state_dict().items()}
-    tc0 = {k: v.detach().float().clone() for k, v in t_critic.state_dict().items()}
+    ta0, tc0 = ref_torch.trainable_state(t_actor, t_name), ref_torch.trainable_state(t_critic, t_name)
     a_lr, c_lr = lr_schedule(cfg.actor.optim, total), lr_schedule(cfg.critic.optim, total)
 
     torch_batches = lambda: minibatches(tb, T)  # noqa: E731
@@ -270,8 +292,10 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     T["actor"] = [ref_torch.actor_update(t_actor, a_opt, part, cfg.actor, R, float(a_lr(i)), args.micro_batches, temp,
                                          autocast, ref_model=t_ref if full_kl else None, grads=T["actor_grads"][i])
                   for i, part in enumerate(torch_batches())]
-    ta_delta = {k: v.detach().float() - ta0[k] for k, v in t_actor.state_dict().items()}
-    tc_delta = {k: v.detach().float() - tc0[k] for k, v in t_critic.state_dict().items()}
+    ta_delta = {k: v - ta0[k] for k, v in ref_torch.trainable_state(t_actor, t_name).items()}
+    tc_delta = {k: v - tc0[k] for k, v in ref_torch.trainable_state(t_critic, t_name).items()}
+    for key in ("actor_grads", "critic_grads"):  # peft's names -> jaxppo's
+        T[key] = [{t_name(n): g for n, g in d.items()} for d in T[key]]
 
     # ---- side by side
     rows = []
@@ -332,6 +356,7 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
               "jax_backend": jax.default_backend(), "batch": B, "prompt_len": P, "response_len": R,
               "mini_batches": K, "micro_batches": args.micro_batches, "loss_agg_mode": cfg.actor.loss_agg_mode,
               "use_kl_in_reward": alg.use_kl_in_reward, "use_kl_loss": cfg.actor.use_kl_loss,
+              "actor_lora_rank": a_lora.rank, "critic_lora_rank": c_lora.rank,
               "valid_response_tokens": int(rmask.sum()), "rows": rows,
               "adam_eps": cfg.actor.optim.eps,
               "max_rel_diff": max(r["rel_diff"] for r in rows if r.get("check", True))}

@@ -96,6 +96,9 @@ class ActorConfig:
     # plan (jaxppo/memory.py; 16384 when the card is unknown)
     ppo_max_token_len_per_device: int = 0
     log_prob_max_token_len_per_device: int = 0  # packed: the same for forward micro-batches; 0: auto
+    lora_rank: int = 0  # LoRA adapters of this rank on the target projections, the base frozen (0: full fine-tuning)
+    lora_alpha: float = 16.0  # LoRA scale alpha / rank
+    target_modules: str = "all-linear"  # all-linear (every decoder projection) or a comma list, e.g. q_proj,v_proj
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
 
 
@@ -111,6 +114,9 @@ class CriticConfig:
     use_dynamic_bsz: bool = False  # pack sequences into token-budget rows instead of padding
     ppo_max_token_len_per_device: int = 0  # packed: tokens per device per update micro-batch; 0: auto (as the actor's)
     forward_max_token_len_per_device: int = 0  # packed: tokens per device per forward micro-batch; 0: auto
+    lora_rank: int = 0  # LoRA on the critic's backbone (the value head is trained in full); 0: full fine-tuning
+    lora_alpha: float = 16.0
+    target_modules: str = "all-linear"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
 
@@ -418,6 +424,18 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     check(cfg.reward.num_workers >= 0 and cfg.reward.timeout_s >= 0,
           "reward.num_workers and reward.timeout_s must be >= 0")
     check(cfg.model.scan_unroll >= 0, f"model.scan_unroll must be >= 0 (0: all layers), got {cfg.model.scan_unroll}")
+    from jaxppo.models.lora import parse_targets
+
+    for name, sub in (("actor", a), ("critic", c)):
+        check(sub.lora_rank >= 0, f"{name}.lora_rank must be >= 0 (0: full fine-tuning)")
+        if sub.lora_rank:
+            try:
+                parse_targets(sub.target_modules)
+            except ValueError as e:
+                check(False, f"{name}.{e}")
+            check(sub.lora_alpha > 0, f"{name}.lora_alpha must be positive")
+            check(cfg.mesh.fsdp_gather == "layer", f"{name}.lora_rank > 0 needs mesh.fsdp_gather=layer (the frozen "
+                  "base weights live outside the train state)")
     seq_len = d.max_prompt_length + d.max_response_length
     for name, sub, keys in (("actor", a, ("ppo_max_token_len_per_device", "log_prob_max_token_len_per_device")),
                             ("critic", c, ("ppo_max_token_len_per_device", "forward_max_token_len_per_device"))):

@@ -228,6 +228,9 @@ class _Base:
     fsdp_gather: str = "layer"  # "layer": fsdp-sharded parameters gathered per layer when used (ZeRO-3);
     # "update": gathered once per update / forward pass in the compute dtype (ZeRO-2 memory, fewer collectives)
     grad_reduce_dtype: str = "float32"  # dtype of the cross-device gradient reduction (bfloat16: half the bytes)
+    # LoRA: which parameter paths are trained; the rest (the base weights) stay frozen in `self.frozen`, outside
+    # the train state (no gradients, no optimizer state) and passed to every program as an argument
+    trainable: Callable[[tuple[str, ...]], bool] | None = None
 
     def __post_init__(self):
         # {metric: ("max"|"min", bound)}: a mini-batch breaking one is not applied (jaxppo/health.py);
@@ -257,6 +260,10 @@ class _Base:
         self._param_specs = None  # PartitionSpecs of the parameter tree (from the first concrete params seen)
         self._update_jit = None
         self._forward_jit = None
+        self.frozen = None  # LoRA: the base weights (compute dtype), set by init_state
+        if self.trainable is not None and self.gather_once:
+            raise ConfigError("LoRA (lora_rank > 0) keeps the base weights outside the train state: use "
+                              "mesh.fsdp_gather=layer")
 
     def _ctx(self):
         """Mesh + logical rules for the activation constraints inside the model (needed at trace time)."""
@@ -264,7 +271,12 @@ class _Base:
 
     def init_state(self, params: Any) -> TrainState:
         """Optimizer state created in the parameters' shardings (Adam's moments sharded like their
-        parameters: left to the partitioner, zeros that depend on no input come out replicated)."""
+        parameters: left to the partitioner, zeros that depend on no input come out replicated). With LoRA the
+        state holds the trainable parameters only; the base weights become `self.frozen`."""
+        if self.trainable is not None:
+            from jaxppo.models.lora import split
+
+            params, self.frozen = split(params, self.trainable)
         whole = NamedSharding(self.mesh, P())
         shardings = optax.tree_map_params(self.tx, lambda _, p: p.sharding, jax.eval_shape(self.tx.init, params),
                                           params, transform_non_params=lambda _: whole)
@@ -417,20 +429,33 @@ class _Base:
                        skipped=1.0 - ok.astype(jnp.float32), nonfinite=1.0 - finite.astype(jnp.float32))
         return TrainState(params, opt_state, state.step + ok.astype(state.step.dtype)), metrics
 
-    def gradients(self, params: Any, minibatch: Batch, extra: Any = None) -> Any:
+    def _extra(self, ref: Any = None) -> dict:
+        """What every loss reads besides the trainable parameters and the batch: the frozen base weights
+        (LoRA) and the reference policy (the exact-KL loss)."""
+        return {"frozen": self.frozen, "ref": ref}
+
+    def full(self, params: Any, frozen: Any) -> Any:
+        """The whole parameter tree the module applies: trainable + frozen (LoRA), or `params` itself."""
+        if frozen is None:
+            return params
+        from jaxppo.models.lora import merge
+
+        return merge(params, frozen)
+
+    def gradients(self, params: Any, minibatch: Batch, ref: Any = None) -> Any:
         """The gradient `update` would apply to `params` for this mini-batch, before clipping (for
         cross-framework comparison; not on the training path)."""
         self._remember_specs(params)
         fn = jax.jit(lambda p, b, e: self._gradients(self._loss, p, b, e)[0])
         with self._ctx():
-            return fn(params, minibatch, extra if getattr(self, "full_kl", False) else None)
+            return fn(params, minibatch, self._extra(ref if getattr(self, "full_kl", False) else None))
 
-    def update(self, state: TrainState, minibatch: Batch, extra: Any = None) -> tuple[TrainState, dict]:
+    def update(self, state: TrainState, minibatch: Batch, ref: Any = None) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch (the state's buffers are donated)."""
         if self._update_jit is None:
             self._update_jit = self._jit_step(self._loss, state)
         with self._ctx():
-            return self._update_jit(state, minibatch, extra)
+            return self._update_jit(state, minibatch, self._extra(ref))
 
     def _jit_step(self, loss_fn: Callable, state: TrainState) -> Callable:
         # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
@@ -474,11 +499,12 @@ class ActorEngine(_Base):
     """The policy: response log-probs (old / ref / current) and the PPO actor update."""
 
     def __init__(self, module: nn.Module, mesh: Mesh, cfg: ActorConfig, response_length: int, total_steps: int = 1,
-                 temperature: float = 1.0, fsdp_gather: str = "layer", grad_reduce_dtype: str = "float32"):
+                 temperature: float = 1.0, fsdp_gather: str = "layer", grad_reduce_dtype: str = "float32",
+                 trainable: Callable | None = None):
         self.cfg = cfg
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: plain log-probs
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
-                         cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype)
+                         cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype, trainable)
 
     def _head(self, params, batch, with_entropy=True, truncation=None, ref_params=None):
         return response_head(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
@@ -492,13 +518,13 @@ class ActorEngine(_Base):
         (`Packed.unpack` restores the order)."""
         self._remember_specs(params)
         if self._forward_jit is None:
-            def fwd(p, b, e, trunc):
-                out = self._forward_map(lambda pp, mb: self._head(pp, mb, e, trunc), p, b)
+            def fwd(p, f, b, e, trunc):
+                out = self._forward_map(lambda pp, mb: self._head(self.full(pp, f), mb, e, trunc), p, b)
                 return (out["logprobs"], out["entropy"]) + ((out["sampling_logprobs"],) if trunc else ())
 
-            self._forward_jit = jax.jit(fwd, static_argnums=(2, 3))
+            self._forward_jit = jax.jit(fwd, static_argnums=(3, 4))
         with self._ctx():
-            return self._forward_jit(params, batch, with_entropy, truncation)
+            return self._forward_jit(params, self.frozen, batch, with_entropy, truncation)
 
     def update(self, state: TrainState, minibatch: Batch, ref_params: Any = None) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch; `ref_params`: the reference policy (the exact-KL loss,
@@ -507,16 +533,21 @@ class ActorEngine(_Base):
             raise ValueError("actor.kl_loss_type=full needs the reference parameters in the update")
         return super().update(state, minibatch, ref_params if self.full_kl else None)
 
+    def gradients(self, params: Any, minibatch: Batch, ref_params: Any = None) -> Any:
+        return super().gradients(params, minibatch, ref_params)
+
     @property
     def full_kl(self) -> bool:
         return self.cfg.use_kl_loss and self.cfg.kl_loss_type == "full"
 
-    def _loss(self, params, mb, num_tokens, num_seqs, ref_params=None):
+    def _loss(self, params, mb, num_tokens, num_seqs, extra=None):
         c = self.cfg
         mask = mb["response_mask"]
         norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.response_length,
                     token_weight=mb.get("token_weight"))
-        out = self._head(params, mb, ref_params=ref_params if self.full_kl else None)
+        frozen, ref = (extra or {}).get("frozen"), (extra or {}).get("ref")
+        ref_full = self.full(ref, frozen) if (self.full_kl and ref is not None) else None
+        out = self._head(self.full(params, frozen), mb, ref_params=ref_full)
         logprob, entropy = out["logprobs"], out["entropy"]
         pg_loss, metrics = ppo.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask, c.clip_ratio_low,
                                            c.clip_ratio_high, c.clip_ratio_c, c.loss_agg_mode,
@@ -536,7 +567,7 @@ class ActorEngine(_Base):
 
     def _sft_loss(self, params, mb, num_tokens, num_seqs, extra=None):
         """Supervised warm start: token-mean negative log-likelihood of the response tokens."""
-        logprob = self._head(params, mb, with_entropy=False)["logprobs"]
+        logprob = self._head(self.full(params, (extra or {}).get("frozen")), mb, with_entropy=False)["logprobs"]
         loss = -ppo.agg_loss(logprob, mb["response_mask"], "token-mean", num_tokens=num_tokens)
         return loss, {"nll": jax.lax.stop_gradient(loss)}
 
@@ -544,28 +575,28 @@ class ActorEngine(_Base):
         if getattr(self, "_sft_jit", None) is None:
             self._sft_jit = self._jit_step(self._sft_loss, state)
         with self._ctx():
-            return self._sft_jit(state, minibatch, None)
+            return self._sft_jit(state, minibatch, self._extra())
 
 
 class CriticEngine(_Base):
     """The value model: values of the response states and the clipped value-loss update."""
 
     def __init__(self, module: nn.Module, mesh: Mesh, cfg: CriticConfig, response_length: int, total_steps: int = 1,
-                 fsdp_gather: str = "layer", grad_reduce_dtype: str = "float32"):
+                 fsdp_gather: str = "layer", grad_reduce_dtype: str = "float32", trainable: Callable | None = None):
         self.cfg = cfg
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
-                         cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype)
+                         cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype, trainable)
 
     def values(self, params: Any, batch: Batch) -> jax.Array:
         self._remember_specs(params)
         if self._forward_jit is None:
-            self._forward_jit = jax.jit(lambda p, b: self._forward_map(
-                lambda pp, mb: response_values(self.module, pp, mb, self.response_length), p, b))
+            self._forward_jit = jax.jit(lambda p, f, b: self._forward_map(
+                lambda pp, mb: response_values(self.module, self.full(pp, f), mb, self.response_length), p, b))
         with self._ctx():
-            return self._forward_jit(params, batch)
+            return self._forward_jit(params, self.frozen, batch)
 
     def _loss(self, params, mb, num_tokens, num_seqs, extra=None):
-        vpreds = response_values(self.module, params, mb, self.response_length)
+        vpreds = response_values(self.module, self.full(params, (extra or {}).get("frozen")), mb, self.response_length)
         mask = mb["response_mask"]
         loss, metrics = ppo.value_loss(vpreds, mb["values"], mb["returns"], mask, self.cfg.cliprange_value,
                                        self.cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,

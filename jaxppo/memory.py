@@ -92,17 +92,47 @@ class TokenBudgets:
     critic_forward: int
 
 
-def state_bytes(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int) -> dict[str, float]:
-    """What JAX holds for the whole run, per device."""
-    m = cfg.model
-    master = DTYPE_BYTES[m.param_dtype]
-    n_actor = actor.num_params()
-    out = {"actor (weights + AdamW)": 3 * master * n_actor / shards}
+def trainable_params(cfg: Any, actor: ModelConfig, critic: ModelConfig | None) -> tuple[float, float]:
+    """(actor, critic) bytes of one gradient per device-unsharded copy: every parameter in param_dtype, or under
+    LoRA the float32 adapters (and the critic's float32 value head)."""
+    from jaxppo.models.lora import adapter_params, spec_from
+
+    sa, sc = spec_from(cfg.actor), spec_from(cfg.critic)
+    master = DTYPE_BYTES[cfg.model.param_dtype]
+    g_actor = 4 * adapter_params(actor, sa) if sa.rank else master * actor.num_params()
+    g_critic = 0.0
     if critic is not None:
-        n_critic = critic.num_params(with_head=False) + critic.hidden_size + 1
-        out["critic (weights + AdamW)"] = 3 * master * n_critic / shards
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        out["reference (compute dtype)"] = DTYPE_BYTES[m.dtype] * n_actor / shards
+        head = critic.hidden_size + 1
+        g_critic = (4 * (adapter_params(critic, sc) + head) if sc.rank
+                    else master * (critic.num_params(with_head=False) + head))
+    return g_actor, g_critic
+
+
+def state_bytes(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int) -> dict[str, float]:
+    """What JAX holds for the whole run, per device. Under LoRA a model is its frozen base in the compute dtype
+    plus float32 adapters with AdamW (12 bytes per adapter parameter), and the reference is that same base
+    with the adapters off (no copy)."""
+    from jaxppo.models.lora import spec_from
+
+    m = cfg.model
+    compute = DTYPE_BYTES[m.dtype]
+    lora_a, lora_c = spec_from(cfg.actor).rank > 0, spec_from(cfg.critic).rank > 0
+    n_actor = actor.num_params()
+    g_actor, g_critic = trainable_params(cfg, actor, critic)  # one gradient's bytes; weights + 2 moments: 3x
+    out = {}
+    if lora_a:
+        out["actor base (frozen, compute dtype)"] = compute * n_actor / shards
+        out["actor adapters (fp32 + AdamW)"] = 3 * g_actor / shards
+    else:
+        out["actor (weights + AdamW)"] = 3 * g_actor / shards
+    if critic is not None:
+        if lora_c:
+            out["critic base (frozen, compute dtype)"] = compute * critic.num_params(with_head=False) / shards
+            out["critic adapters + head (fp32 + AdamW)"] = 3 * g_critic / shards
+        else:
+            out["critic (weights + AdamW)"] = 3 * g_critic / shards
+    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora_a:
+        out["reference (compute dtype)"] = compute * n_actor / shards
     if cfg.mesh.fsdp_gather == "update" and cfg.mesh.fsdp > 1:
         out["gathered compute copy"] = DTYPE_BYTES[m.dtype] * n_actor  # whole, during an update / forward pass
     return out
@@ -154,13 +184,13 @@ class MemoryEstimate:
     def table(self) -> str:
         gb = lambda b: f"{b / GiB:7.1f} GiB"  # noqa: E731
         lines = [f"memory plan per device (peak phase: {self.peak_phase}):"]
-        lines += [f"  {k:<32}{gb(v)}" for k, v in self.components.items()]
-        lines.append(f"  {'JAX total':<32}{gb(self.total)}")
+        lines += [f"  {k:<38}{gb(v)}" for k, v in self.components.items()]
+        lines.append(f"  {'JAX total':<38}{gb(self.total)}")
         if self.card:
-            lines.append(f"  {'JAX limit':<32}{gb(self.jax_limit)}  ({self.jax_limit / self.card:.2f} of a "
+            lines.append(f"  {'JAX limit':<38}{gb(self.jax_limit)}  ({self.jax_limit / self.card:.2f} of a "
                          f"{self.card / GiB:.0f} GiB card)")
             if self.vllm_bytes is not None:
-                lines.append(f"  {'vLLM share':<32}{gb(self.vllm_bytes)}  (needs about {self.vllm_needs / GiB:.1f} "
+                lines.append(f"  {'vLLM share':<38}{gb(self.vllm_bytes)}  (needs about {self.vllm_needs / GiB:.1f} "
                              "GiB: weights, the batch's KV cache, graphs)")
         return "\n".join(lines)
 
@@ -179,19 +209,19 @@ def estimate(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: i
              budgets: TokenBudgets) -> MemoryEstimate:
     """JAX's peak per device over the step's phases (forward passes, critic update, actor update)."""
     fixed = state_bytes(cfg, actor, critic, shards)
-    master = DTYPE_BYTES[cfg.model.param_dtype]
     phases = {}
     a, c = cfg.actor, cfg.critic
     t, r = _phase_tokens(cfg, a, budgets.actor_forward, a.log_prob_micro_batch_size_per_device)
     phases["actor forward"] = {"activations (actor forward)": activation_bytes(cfg, actor, t, r, False, True)}
     t, r = _phase_tokens(cfg, a, budgets.actor_update, a.ppo_micro_batch_size_per_device)
-    phases["actor update"] = {"gradients (actor, fp32)": master * actor.num_params() / shards,
+    t_actor, t_critic = trainable_params(cfg, actor, critic)
+    phases["actor update"] = {"gradients (actor)": t_actor / shards,
                               "activations (actor update)": activation_bytes(cfg, actor, t, r, True, True)}
     if critic is not None:
         t, r = _phase_tokens(cfg, c, budgets.critic_forward, c.log_prob_micro_batch_size_per_device)
         phases["critic forward"] = {"activations (critic forward)": activation_bytes(cfg, critic, t, r, False, False)}
         t, r = _phase_tokens(cfg, c, budgets.critic_update, c.ppo_micro_batch_size_per_device)
-        phases["critic update"] = {"gradients (critic, fp32)": master * critic.num_params(with_head=False) / shards,
+        phases["critic update"] = {"gradients (critic)": t_critic / shards,
                                    "activations (critic update)": activation_bytes(cfg, critic, t, r, True, False)}
     peak = max(phases, key=lambda k: sum(phases[k].values()))
     comps = dict(fixed, **phases[peak], overhead=float(OVERHEAD_BYTES))
@@ -212,7 +242,8 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
     a, c = cfg.actor, cfg.critic
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     fixed = sum(state_bytes(cfg, actor, critic, shards).values()) + OVERHEAD_BYTES
-    master = DTYPE_BYTES[cfg.model.param_dtype]
+    t_actor, t_critic = trainable_params(cfg, actor, critic or actor)
+    trainable = {True: t_actor, False: t_critic}  # keyed by lm_head: the actor's phases have it
     limit = None
     if card is not None:
         u = cfg.rollout.gpu_memory_utilization if cfg.rollout.engine == "vllm" else 1.0 - jax_fraction() - MARGIN
@@ -223,7 +254,7 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
             return given
         if limit is None:
             return AUTO_MAX_BUDGET // 2
-        grads = master * model.num_params(with_head=lm_head) / shards if training else 0.0
+        grads = trainable[lm_head] / shards if training else 0.0
         best = 0
         for budget in range(1024, AUTO_MAX_BUDGET + 1, 1024):
             if fixed + grads + activation_bytes(cfg, model, budget, 1, training, lm_head) <= AUTO_HEADROOM * limit:
@@ -289,6 +320,21 @@ def plan_for_config(cfg: Any, num_devices: int) -> tuple[MemoryEstimate, TokenBu
     card = card_bytes(cfg.trainer.device_memory_gb)
     budgets = token_budgets(cfg, actor, critic, shards, card)
     return estimate(cfg, actor, critic, shards, card, budgets), budgets
+
+
+def held_bytes(tree: Any, device: Any = None) -> int:
+    """Bytes of the distinct device buffers behind `tree`'s arrays on `device` (default: the first local one): what
+    a state really holds there, an array and its views counted once."""
+    import jax
+
+    device = device or jax.local_devices()[0]
+    seen = {}
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            for shard in x.addressable_shards:
+                if shard.device == device:
+                    seen[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(seen.values())
 
 
 def describe(gpu_memory_utilization: float, jax_limit_bytes: int | None) -> str:

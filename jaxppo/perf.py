@@ -8,7 +8,9 @@ model computes them, not as a closed formula over padded shapes:
     6 x layers x (heads x head_dim) x S^2 (half of PaLM's 12 x ... x S^2 for full attention);
   - the vocabulary head: 6 x hidden x vocab per *response* token (the only positions whose log-probs are
     taken); the critic's head is one row (negligible, counted as zero);
-  - the embedding lookup and recomputation under remat are not counted (MFU, not HFU).
+  - the embedding lookup and recomputation under remat are not counted (MFU, not HFU);
+  - LoRA (frozen base): the base's weight gradients are never computed, so its matmuls and the head count
+    4 x parameters per token (forward 2, input gradients 2), the adapters 6 x theirs.
 Where the device's peak is not in the table (CPU, unknown cards) a measured matmul peak stands in.
 """
 
@@ -37,13 +39,19 @@ class FlopsModel:
     head: float  # vocabulary head, per response token (0: value head)
 
 
-def flops_model(cfg: ModelConfig, lm_head: bool = True) -> FlopsModel:
+def flops_model(cfg: ModelConfig, lm_head: bool = True, lora=None) -> FlopsModel:
+    """`lora`: a jaxppo.models.lora.LoraSpec with rank > 0 when the base is frozen and adapters are trained."""
+    from jaxppo.models.lora import adapter_params
+
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size  # q, k, v, o; gate, up, down
-    return FlopsModel(per_token=6.0 * cfg.num_hidden_layers * layer,
+    frozen = lora is not None and lora.rank > 0
+    base = 4.0 if frozen else 6.0  # a frozen weight gets no gradient: forward + input gradients only
+    adapters = 6.0 * adapter_params(cfg, lora) if frozen else 0.0
+    return FlopsModel(per_token=base * cfg.num_hidden_layers * layer + adapters,
                       attention=6.0 * cfg.num_hidden_layers * q,
-                      head=6.0 * h * cfg.vocab_size if lm_head else 0.0)
+                      head=base * h * cfg.vocab_size if lm_head else 0.0)
 
 
 def step_flops(model: FlopsModel, seq_lengths: np.ndarray, response_lengths: np.ndarray | None = None) -> float:

@@ -31,6 +31,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("layers", None),
     ("norm", None),
     ("score", None),
+    ("lora", None),  # LoRA rank: small, never sharded
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),

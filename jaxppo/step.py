@@ -84,6 +84,8 @@ class StepContext:
     reward_model: Any = None  # jaxppo.rewards.model.RewardModel (model.reward_model_path)
     reward_fn: Callable | None = None  # a user's reward function, else the one registered for the data source
     budgets: Any = None  # jaxppo.memory.TokenBudgets: packed tokens per device per micro-batch, by phase
+    rollout_weights: Callable | None = None  # actor params -> what the engine's update_weights takes (HFWeights,
+    # or LoRAWeights: the base with the adapters merged)
     flops: dict[str, Any] = dataclasses.field(default_factory=dict)  # "actor" / "critic" -> jaxppo.perf.FlopsModel
 
     @property
@@ -125,7 +127,9 @@ def awake(ctx: StepContext, actor_params: Any, timer: Timer | None = None):
         ctx.engine.wake()
     try:
         with timer("sync"):
-            ctx.engine.update_weights(HFWeights(actor_params, ctx.weights_dtype))
+            weights = ctx.rollout_weights(actor_params) if ctx.rollout_weights else HFWeights(actor_params,
+                                                                                             ctx.weights_dtype)
+            ctx.engine.update_weights(weights)
         yield
     finally:
         if ctx.cfg.rollout.free_cache_engine:

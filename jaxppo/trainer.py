@@ -28,6 +28,8 @@ from jaxppo.health import HealthMonitor, update_guards
 from jaxppo.metrics import MetricsLogger
 from jaxppo.models import load_model, save_hf_checkpoint
 from jaxppo.models.config import load_config as load_model_config
+from jaxppo.models.hf_io import HFWeights
+from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, zeros_like_adapters
 from jaxppo.perf import device_peak_flops, flops_model
 from jaxppo.rollout import RolloutEngine
 from jaxppo.setup import DTYPES, attention_impl, engine_dtype, prepare_data, prepare_model_dir
@@ -83,37 +85,51 @@ class PPOTrainer:
         if cfg.rollout.free_cache_engine:
             engine.sleep()
 
-        kw = dict(mesh=self.mesh, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype],
+        compute = DTYPES[cfg.model.dtype]
+        kw = dict(mesh=self.mesh, dtype=compute, param_dtype=DTYPES[cfg.model.param_dtype],
                   remat=cfg.model.remat, attention_impl=attention_impl(cfg), random_init=cfg.model.random_init,
                   attention_window=cfg.data.max_prompt_length + cfg.data.max_response_length,
                   scan_unroll=cfg.model.scan_unroll)
-        self.actor_module, actor_params, self.model_cfg = load_model(self.model_dir, **kw)
         a, c = cfg.actor, cfg.critic
+        # LoRA: adapters on the chosen projections; the frozen base is stored in the compute dtype
+        actor_lora, critic_lora = spec_from(a), spec_from(c)
+        lora_kw = lambda spec: dict(kw, lora=spec, param_dtype=compute) if spec.rank else kw  # noqa: E731
         R = cfg.data.max_response_length
         steps_per = lambda sub: sub.ppo_epochs * (cfg.data.train_batch_size // sub.ppo_mini_batch_size)  # noqa: E731
-        actor = ActorEngine(self.actor_module, self.mesh, a, R, a.optim.total_steps or self.total_steps * steps_per(a),
-                            cfg.rollout.temperature, cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype)
         self.warm_dir = self.run_dir / "warm_model"
         self.train_ds = train_ds
         if t.sft_warmup_steps > 0 and not (self.warm_dir / "config.json").is_file():
-            actor_params = sft_warm_start(self, actor_params)
-            save_hf_checkpoint(actor_params, self.model_cfg, self.warm_dir)
+            # the warm start trains the whole model (no adapters); LoRA starts from its result
+            self.actor_module, warm_params, self.model_cfg = load_model(self.model_dir, **kw)
+            warm_params = sft_warm_start(self, warm_params)
+            save_hf_checkpoint(warm_params, self.model_cfg, self.warm_dir)
+            del warm_params
         start_dir = self.warm_dir if (self.warm_dir / "config.json").is_file() else self.model_dir
-        if start_dir != self.model_dir:
-            _, actor_params, _ = load_model(start_dir, **kw)
-        # the reference policy is stored in the compute dtype: its forward pass casts every weight to it anyway,
-        # so its log-probs are bit-identical to those of an fp32 copy at half (bf16) the memory
+        self.start_dir = start_dir  # the actor's base (export under LoRA merges the adapters into it)
+        self.actor_module, actor_params, self.model_cfg = load_model(start_dir, rng=jax.random.PRNGKey(t.seed + 2),
+                                                                     **lora_kw(actor_lora))
+        actor = ActorEngine(self.actor_module, self.mesh, a, R, a.optim.total_steps or self.total_steps * steps_per(a),
+                            cfg.rollout.temperature, cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype,
+                            trainable=is_adapter if actor_lora.rank else None)
+        actor_state = actor.init_state(actor_params)  # under LoRA: the adapters; the base is actor.frozen
         use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        compute = DTYPES[cfg.model.dtype]
-        # (a copy either way: the actor's buffers are donated to its updates)
-        ref_params = jax.tree.map(lambda p: p.astype(compute) if p.dtype != compute else jnp.copy(p),
-                                  actor_params) if use_ref else None
+        ref_params = None
+        if use_ref and actor_lora.rank:  # the reference is the base: the adapters zeroed, no second copy
+            ref_params = zeros_like_adapters(actor_state.params)
+        elif use_ref:
+            # stored in the compute dtype: its forward pass casts every weight to it anyway, so its log-probs are
+            # bit-identical to those of an fp32 copy at half (bf16) the memory (a copy either way: the actor's
+            # buffers are donated to its updates)
+            ref_params = jax.tree.map(lambda p: p.astype(compute) if p.dtype != compute else jnp.copy(p),
+                                      actor_state.params)
+        del actor_params
         critic, critic_state = None, None
         if self.use_critic:
             critic_module, critic_params, _ = load_model(cfg.model.critic_path or start_dir, "value",
-                                                         rng=jax.random.PRNGKey(t.seed + 1), **kw)
+                                                         rng=jax.random.PRNGKey(t.seed + 1), **lora_kw(critic_lora))
             critic = CriticEngine(critic_module, self.mesh, c, R, c.optim.total_steps or self.total_steps * steps_per(c),
-                                  cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype)
+                                  cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype,
+                                  trainable=(lambda p: is_adapter(p) or p[0] == "score") if critic_lora.rank else None)
             critic.guards = update_guards(t.health, "critic")
             critic_state = critic.init_state(critic_params)
         actor.guards = update_guards(t.health, "actor")
@@ -122,10 +138,16 @@ class PPOTrainer:
             from jaxppo.rewards.model import RewardModel
 
             reward_model = RewardModel(cfg.model.reward_model_path, dtype=compute)
-        self.ctx = StepContext(cfg, actor, critic, engine, train_ds, val_ds, self.tokenizer, DTYPES[self.engine_dtype],
-                               reward_model=reward_model, budgets=budgets,
-                               flops={"actor": flops_model(self.model_cfg), "critic": flops_model(critic_cfg, False)})
-        self.state = PPOState(actor.init_state(actor_params), critic_state, ref_params, cfg.algorithm.kl_ctrl.kl_coef)
+        push_dtype = DTYPES[self.engine_dtype]
+        if actor_lora.rank:
+            rollout_weights = lambda adapters: LoRAWeights(actor.frozen, adapters, actor_lora.scale, push_dtype)  # noqa: E731
+        else:
+            rollout_weights = lambda params: HFWeights(params, push_dtype)  # noqa: E731
+        self.ctx = StepContext(cfg, actor, critic, engine, train_ds, val_ds, self.tokenizer, push_dtype,
+                               reward_model=reward_model, budgets=budgets, rollout_weights=rollout_weights,
+                               flops={"actor": flops_model(self.model_cfg, lora=actor_lora),
+                                      "critic": flops_model(critic_cfg, False, critic_lora)})
+        self.state = PPOState(actor_state, critic_state, ref_params, cfg.algorithm.kl_ctrl.kl_coef)
         self.health = HealthMonitor(t.health)
         self.step = 0
         self.bad_steps = 0  # consecutive steps with NaN/inf
@@ -254,11 +276,24 @@ class PPOTrainer:
         metrics["health/skipped_steps"] = float(skip)
         return metrics
 
+    def held_memory(self) -> dict[str, int]:
+        """Bytes the run's states hold on the first local device, by component (the measured side of the memory
+        plan's fixed components; activations and gradients come and go inside the jitted steps)."""
+        s, ctx = self.state, self.ctx
+        out = {"actor (trained params + AdamW)": memory.held_bytes((s.actor.params, s.actor.opt_state))}
+        if ctx.actor.frozen is not None:
+            out["actor base (frozen)"] = memory.held_bytes(ctx.actor.frozen)
+        if s.critic is not None:
+            out["critic (trained params + AdamW)"] = memory.held_bytes((s.critic.params, s.critic.opt_state))
+            if ctx.critic.frozen is not None:
+                out["critic base (frozen)"] = memory.held_bytes(ctx.critic.frozen)
+        if s.ref_params is not None:
+            out["reference"] = memory.held_bytes(s.ref_params)
+        return out
+
     def sync_weights(self) -> None:
         """Push the actor's current weights into the (awake) rollout engine."""
-        from jaxppo.models.hf_io import HFWeights
-
-        self.engine.update_weights(HFWeights(self.state.actor.params, DTYPES[self.engine_dtype]))
+        self.engine.update_weights(self.ctx.rollout_weights(self.state.actor.params))
 
     def validate(self) -> dict[str, float]:
         return ppo_step.validate(self.ctx, self.state.actor.params)

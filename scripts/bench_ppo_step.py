@@ -172,6 +172,9 @@ def main(argv=None) -> int:
                "mesh": dict(trainer.mesh.shape), "median_steps_3_to_n": med, "start": start,
                "compiles_per_step": compiles, "compiles_constant_after_step3": len(set(compiles[2:])) <= 1,
                "memory_estimate_gb": trainer.memory_estimate.total / 2**30,
+               # per component, per device: what the states hold (measured) beside the plan's estimate
+               "memory_held_gb": {k: v / 2**30 for k, v in trainer.held_memory().items()},
+               "memory_plan_gb": {k: v / 2**30 for k, v in trainer.memory_estimate.components.items()},
                "token_budgets": vars(trainer.ctx.budgets) if trainer.ctx.budgets else None}
     if not args.no_standalone:
         # standalone vLLM generation: same prompts and lengths, engine awake, nothing else running
@@ -210,6 +213,8 @@ def main(argv=None) -> int:
             print(f"  {k:28} {med[k]:8.3f}")
     print(f"  memory estimate {summary['memory_estimate_gb']:.1f} GiB; perf/compiles {compiles} "
           f"(constant after step 3: {summary['compiles_constant_after_step3']})")
+    print("  memory held by the states (GiB per device): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in summary["memory_held_gb"].items()))
     print(f"  start: {json.dumps(start)}")
     if "gen_in_loop_over_standalone" in summary:
         print(f"  generation in loop {summary['gen_in_loop_tokens_per_s']:.0f} tok/s, standalone "
@@ -225,7 +230,8 @@ def main(argv=None) -> int:
                 figures[k] = summary[k]
         row = ledger.make_row("ppo_step", figures, config=args.config, overrides=list(args.overrides),
                               samples={"steps": len(keep)}, shape=args.shape, start=start,
-                              token_budgets=summary["token_budgets"], mesh=summary["mesh"])
+                              token_budgets=summary["token_budgets"], mesh=summary["mesh"],
+                              memory_held_gb=summary["memory_held_gb"], memory_plan_gb=summary["memory_plan_gb"])
         print(f"ledger: {ledger.append(row, args.ledger)}")
     return 0
 

@@ -1,7 +1,7 @@
 """Actor-update throughput: jaxppo (JAX) vs Hugging Face torch, same shapes, same call.
 
     python scripts/bench_update.py --model qwen2.5-0.5b,qwen2.5-1.5b --batch 8 --seq 1024 --steps 10 \
-        [--remat dots_attn --unroll 0 --head-remat 0] [--torch ckpt,nockpt,compile]
+        [--remat dots_attn --unroll 0 --head-remat 0] [--torch ckpt,nockpt,compile] [--lora 64]
 
 JAX: `jaxppo.engine.ActorEngine.update` (PPO clipped loss over the response half, chunked log-probs, fp32
 master weights + bf16 compute, cuDNN attention on GPU, AdamW). torch: a transformers model in bf16, sdpa
@@ -9,7 +9,9 @@ attention, fused AdamW, the same PPO loss on the same response positions (`logit
 configurations, each in its own process: `ckpt` (gradient checkpointing), `nockpt` (all activations kept:
 faster where it fits) and `compile` (torch.compile of the model, no checkpointing). A configuration that
 runs out of memory is reported as such. The headline ratio is JAX against the fastest torch configuration
-that ran. Random weights of the real shape.
+that ran. Random weights of the real shape. `--lora R[,R..]` adds JAX runs with LoRA adapters of rank R
+(alpha 2R, every projection; the base frozen in bf16), beside full fine-tuning in the same call: step time,
+peak memory and the bytes the train state holds (`state_gb`: trained parameters + AdamW + the frozen base).
 
 Medians of `--steps` steps after a warm-up step (two for torch.compile). MFU is model FLOPs as computed
 (causal attention, the vocabulary head over the response positions only; jaxppo/perf.py) over the card's
@@ -37,6 +39,7 @@ import numpy as np  # noqa: E402
 from jaxppo.config import ActorConfig, OptimConfig  # noqa: E402
 from jaxppo.engine import ActorEngine  # noqa: E402
 from jaxppo.models import build_model, init_params, abstract_params  # noqa: E402
+from jaxppo.models.lora import LoraSpec  # noqa: E402
 from jaxppo.perf import device_peak_flops, flops_model, measure_matmul_peak, step_flops  # noqa: E402
 from jaxppo.sharding import make_mesh, param_shardings  # noqa: E402
 from scripts.shapes import SHAPES  # noqa: E402
@@ -53,15 +56,22 @@ def synthetic_batch(cfg, batch: int, seq: int, resp: int, seed: int = 0) -> dict
 
 
 def bench_jax(cfg, args, batch_np) -> dict:
+    from jaxppo.memory import held_bytes
+    from jaxppo.models.lora import is_adapter
+
     mesh = make_mesh({"data": -1})
     impl = "cudnn" if jax.default_backend() == "gpu" else None
-    module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat, attention_impl=impl,
-                         scan_unroll=args.unroll)
+    r = args.lora_rank
+    lora = dict(lora=LoraSpec(r, 2.0 * r), param_dtype=jnp.bfloat16) if r else dict(param_dtype=jnp.float32)
+    module = build_model(cfg, dtype=jnp.bfloat16, remat=args.remat, attention_impl=impl, scan_unroll=args.unroll,
+                         **lora)
     params = init_params(module, jax.random.PRNGKey(0), param_shardings(abstract_params(module), mesh))
     acfg = ActorConfig(ppo_micro_batch_size_per_device=args.micro or args.batch // jax.device_count(),
                        logprob_chunk_size=args.chunk, logprob_remat=bool(args.head_remat), optim=OptimConfig(lr=1e-6))
-    engine = ActorEngine(module, mesh, acfg, args.seq // 2)
+    engine = ActorEngine(module, mesh, acfg, args.seq // 2, trainable=is_adapter if r else None)
     state = engine.init_state(params)
+    del params
+    state_gb = held_bytes((state.params, state.opt_state, engine.frozen)) / 2**30
     batch = engine.shard_batch(batch_np)
     t0 = time.perf_counter()
     state, m = engine.update(state, batch)
@@ -75,7 +85,7 @@ def bench_jax(cfg, args, batch_np) -> dict:
         times.append(time.perf_counter() - t0)
     mem = jax.local_devices()[0].memory_stats() or {}
     out = {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(m["pg_loss"]),
-           "peak_mem_gb": mem.get("peak_bytes_in_use", 0) / 2**30, "samples": len(times)}
+           "peak_mem_gb": mem.get("peak_bytes_in_use", 0) / 2**30, "state_gb": state_gb, "samples": len(times)}
     if args.profile:  # one more step under the profiler: where the device time goes
         from scripts.trace_summary import find_traces, load_events, print_summary, summarise
 
@@ -148,7 +158,7 @@ def in_subprocess(fw: str, name: str, args, variant: str = "") -> dict:
     cmd = [sys.executable, __file__, "--only", fw, "--model", name, "--batch", str(args.batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--micro", str(args.micro), "--chunk", str(args.chunk),
            "--remat", args.remat, "--unroll", str(args.unroll), "--torch-variant", variant or "ckpt",
-           "--head-remat", str(args.head_remat),
+           "--head-remat", str(args.head_remat), "--lora-rank", str(getattr(args, "lora_rank", 0)),
            "--workdir", args.workdir]
     cmd += ["--profile", args.profile] if args.profile else []
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -176,6 +186,8 @@ def main(argv=None) -> int:
                    help="JAX: recompute the log-prob chunks' logits in the backward pass (1) or keep them (0)")
     p.add_argument("--torch", default="ckpt,nockpt,compile",
                    help="torch configurations (comma list of ckpt, nockpt, compile; empty: JAX only)")
+    p.add_argument("--lora", default="", help="JAX: also run with LoRA adapters of these ranks (comma list)")
+    p.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)  # internal
     p.add_argument("--only", choices=["jax", "torch"], default=None, help=argparse.SUPPRESS)  # internal
     p.add_argument("--torch-variant", default="ckpt", help=argparse.SUPPRESS)  # internal
     p.add_argument("--profile", default=None, help="dir: trace one more JAX step and summarise it")
@@ -202,25 +214,36 @@ def main(argv=None) -> int:
             return 0
         tokens = args.batch * args.seq
         flops = step_flops(flops_model(cfg), np.full(args.batch, args.seq), np.full(args.batch, resp))
+        args.lora_rank = 0
         results = {"jax": in_subprocess("jax", name, args)}
+        for rank in [int(x) for x in args.lora.split(",") if x]:
+            args.lora_rank = rank
+            results[f"jax:lora{rank}"] = in_subprocess("jax", name, args)
+        args.lora_rank = 0
         for v in variants:
             results[f"torch:{v}"] = in_subprocess("torch", name, args, v)
         jax_remat = args.remat + (f", unroll {args.unroll or 'all'}" if args.unroll != 1 else "") + \
             ("" if args.head_remat else ", head kept")
         labels = {"ckpt": "checkpointing", "nockpt": "no checkpointing", "compile": "torch.compile, no checkpointing"}
         for fw, r in results.items():
-            row = {"model": name, "framework": fw.split(":")[0],
-                   "config": jax_remat if fw == "jax" else labels[fw.split(":")[1]], "batch": args.batch,
+            kind = fw.split(":")[1] if ":" in fw else ""
+            config = labels.get(kind) or f"remat {jax_remat}" + (f", LoRA r={kind[4:]}" if kind.startswith("lora") else "")
+            row = {"model": name, "framework": fw.split(":")[0], "config": config, "batch": args.batch,
                    "seq": args.seq, "device": jax.devices()[0].device_kind, **r}
             if "step_s" in r:
-                row.update(tokens_per_s=tokens / r["step_s"], mfu=flops / r["step_s"] / (peak * jax.device_count()))
+                f = step_flops(flops_model(cfg, lora=LoraSpec(int(kind[4:]), 1.0)), np.full(args.batch, args.seq),
+                               np.full(args.batch, resp)) if kind.startswith("lora") else flops
+                row.update(tokens_per_s=tokens / r["step_s"], mfu=f / r["step_s"] / (peak * jax.device_count()))
             rows.append(row)
             print(json.dumps(row))
-        ran = {fw: r for fw, r in results.items() if fw != "jax" and "step_s" in r}
+        ran = {fw: r for fw, r in results.items() if fw.startswith("torch") and "step_s" in r}
         figures = {"jax_tokens_per_s": tokens / results["jax"]["step_s"], "jax_mfu": rows[-len(results)]["mfu"],
-                   "jax_peak_mem_gb": results["jax"]["peak_mem_gb"]}
+                   "jax_peak_mem_gb": results["jax"]["peak_mem_gb"], "jax_state_gb": results["jax"]["state_gb"]}
         for fw, r in results.items():
-            if fw != "jax":
+            if fw.startswith("jax:"):  # LoRA beside full fine-tuning
+                key = fw.split(":")[1]
+                figures.update({f"jax_{key}_{k}": r[k] for k in ("step_s", "peak_mem_gb", "state_gb") if k in r})
+            elif fw != "jax":
                 key = fw.split(":")[1]
                 figures[f"torch_{key}_tokens_per_s"] = tokens / r["step_s"] if "step_s" in r else r.get("error")
         if ran:

@@ -43,6 +43,10 @@ def test_bench_ppo_step_on_a_committed_config(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert summary["samples"] == 2 and summary["median_steps_3_to_n"]["timing_s/step"] > 0
     assert summary["token_budgets"]["actor_update"] > 0  # packing is on in the committed config
+    held = summary["memory_held_gb"]  # measured per component, beside the plan's
+    assert held.keys() == {"actor (trained params + AdamW)", "critic (trained params + AdamW)", "reference"}
+    assert held["actor (trained params + AdamW)"] == pytest.approx(
+        summary["memory_plan_gb"]["actor (weights + AdamW)"], rel=0.01)
     rows = ledger.read(led)
     assert len(rows) == 1
     check_row(rows[0], "ppo_step")
@@ -66,12 +70,14 @@ def test_bench_start_counts_starts_and_records_them(tmp_path):
 def test_bench_update_prints_jax_and_torch_configurations(tmp_path):
     led = tmp_path / "results.jsonl"
     res = run_script("bench_update.py", "--model", "tiny", "--batch", "2", "--seq", "32", "--steps", "2", "--chunk", "8",
-                     "--torch", "ckpt,nockpt", "--ledger", str(led), "--workdir", str(tmp_path / "w"))
-    assert "JAX / fastest torch" in res.stdout and "no checkpointing" in res.stdout
+                     "--torch", "ckpt,nockpt", "--lora", "8", "--ledger", str(led), "--workdir", str(tmp_path / "w"))
+    assert "JAX / fastest torch" in res.stdout and "no checkpointing" in res.stdout and "LoRA r=8" in res.stdout
     row = ledger.read(led)[-1]
     check_row(row, "update")
     f = row["figures"]
     assert f["torch_best"] in ("ckpt", "nockpt") and f["jax_over_torch_best"] > 0 and 0 < f["jax_mfu"]
+    # LoRA beside full fine-tuning: the state holds the bf16 base + fp32 adapters, not fp32 weights + AdamW
+    assert 0 < f["jax_lora8_state_gb"] < 0.3 * f["jax_state_gb"] and f["jax_lora8_step_s"] > 0
 
 
 @pytest.mark.slow

@@ -52,6 +52,10 @@ RELATIONS = [
     (["trainer.resume_mode=/no/such/checkpoint"], "trainer.resume_mode"),
     (["model.path=/no/such/model"], "model.path"),
     (["mesh.data=4"], "needs 4 devices"),
+    (["actor.lora_rank=-1"], "actor.lora_rank must be >= 0"),
+    (["actor.lora_rank=8", "actor.target_modules=q_proj,lm_head"], "actor.target_modules 'q_proj,lm_head': unknown"),
+    (["critic.lora_rank=8", "critic.lora_alpha=0"], "critic.lora_alpha must be positive"),
+    (["actor.lora_rank=8", "mesh.fsdp_gather=update"], "needs mesh.fsdp_gather=layer"),
 ]
 
 

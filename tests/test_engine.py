@@ -69,9 +69,8 @@ def test_bf16_gradient_reduction(tiny_qwen, reference):
 @pytest.mark.parametrize("mode", list(ppo.LOSS_AGG_MODES))
 def test_micro_batch_invariance(tiny_qwen, mode):
     mesh = single_device_mesh()
-    runs = {m: run_case(tiny_qwen, mesh, micro_per_device=m, mode=mode) for m in (1, 2, 4)}
+    runs = {m: run_case(tiny_qwen, mesh, micro_per_device=m, mode=mode) for m in (1, 4)}
     assert runs[1]["actor/grad_norm"] > 0 and runs[1]["critic/grad_norm"] > 0
-    assert_same(runs[2], runs[1])
     assert_same(runs[4], runs[1])
 
 
@@ -171,8 +170,8 @@ def test_collectives_once_per_mini_batch(tiny_qwen, shape, gather, once):
     engine.logprobs(params, batch)
     engine.update(engine.init_state(params), batch)
     with engine._ctx():
-        update_hlo = engine._update_jit.lower(engine.init_state(params), batch, None).compile().as_text()
-        forward_hlo = engine._forward_jit.lower(params, batch, False, None).compile().as_text()
+        update_hlo = engine._update_jit.lower(engine.init_state(params), batch, engine._extra()).compile().as_text()
+        forward_hlo = engine._forward_jit.lower(params, engine.frozen, batch, False, None).compile().as_text()
     inner, entry = _collectives_inside_loops(update_hlo)
     assert entry and (not inner) == once, inner
     if "fsdp" in shape:

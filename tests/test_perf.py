@@ -21,6 +21,14 @@ def test_flops_count_causal_attention_and_the_head_on_response_tokens_only():
     assert step_flops(m, seq, resp) == pytest.approx(want)
     assert step_flops(flops_model(cfg, lm_head=False), seq) == pytest.approx(want - m.head * 24)
 
+    # LoRA rank 4 on q and down only: the frozen base does forward + input gradients (4x), the adapters 6x
+    from jaxppo.models.lora import LoraSpec
+
+    lora = flops_model(cfg, lora=LoraSpec(4, 8.0, ("q_proj", "down_proj")))
+    adapters = 2 * (4 * (64 + 64) + 4 * (128 + 64))  # per layer r (in + out) per target, 2 layers
+    assert lora.per_token == 4 * 2 * (4096 + 2048 + 2048 + 4096 + 3 * 64 * 128) + 6 * adapters
+    assert lora.head == 4 * 64 * 1000 and lora.attention == m.attention
+
 
 def test_mfu_is_measured_against_the_card_specification():
     assert SPEC_PEAK_FLOPS["NVIDIA H200"] == 989e12

@@ -30,6 +30,7 @@ from flax import traverse_util
 from bridge.dlpack import to_torch
 from bridge.push import DirectCopy, PlanError
 from jaxppo.models.hf_io import HFWeights
+from jaxppo.models.lora import LoRAWeights
 from jaxppo.rollout import Rollouts, Sampling, pack_responses
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class VLLMEngine:
 
     # -------------------------------------------------------------- protocol
 
-    def direct_plan(self, weights: HFWeights) -> DirectCopy | None:
+    def direct_plan(self, weights: HFWeights | LoRAWeights) -> DirectCopy | None:
         """The direct-copy plan for these weights' names and shapes (built once), or None when vLLM's
         parameters have a layout it does not know (then load_weights does the push)."""
         key = tuple((path, v.shape) for path, v in traverse_util.flatten_dict(weights.params).items())
@@ -156,7 +157,10 @@ class VLLMEngine:
 
     def push_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
         """The weight copy of `update_weights`, without the prefix-cache reset (timed apart in bench_sync)."""
-        if self.direct and isinstance(named_arrays, HFWeights) and (plan := self.direct_plan(named_arrays)):
+        if self.direct and isinstance(named_arrays, LoRAWeights) and (plan := self.direct_plan(named_arrays)):
+            with torch.no_grad():  # LoRA: merged on the device one parameter at a time, each copied in place
+                plan.push_items(named_arrays.params, named_arrays.items())
+        elif self.direct and isinstance(named_arrays, HFWeights) and (plan := self.direct_plan(named_arrays)):
             with torch.no_grad():
                 plan.push(named_arrays.params)
             torch.cuda.current_stream().synchronize()  # the views alias buffers the next update donates

@@ -13,6 +13,7 @@ from flax import traverse_util
 from jaxppo.errors import CheckpointError
 from jaxppo.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, config_from_hf_dict, load_config
 from jaxppo.models.hf_io import SafetensorsIndex, export_hf_arrays, load_params, save_hf_checkpoint
+from jaxppo.models.lora import LoraSpec, init_adapters, is_adapter, merge, split
 from jaxppo.models.transformer import REMAT_POLICIES, CausalLM, ValueModel, positions_from_mask
 
 __all__ = [
@@ -26,7 +27,7 @@ SCORE_PATHS = (("score", "weight"), ("score", "bias"))
 
 def build_model(cfg: ModelConfig, head: str = "lm", *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                 remat: str = "none", attention_impl: str | None = None, score_bias: bool = True,
-                attention_window: int | None = None, scan_unroll: int = 1) -> nn.Module:
+                attention_window: int | None = None, scan_unroll: int = 1, lora: LoraSpec = LoraSpec()) -> nn.Module:
     """The Flax module for `cfg`: `CausalLM` for head "lm", `ValueModel` for head "value".
     `attention_window`: the longest sequence the model will see; rows longer than that (packed) attend
     only that far back, which lets cuDNN skip blocks when attention goes through a mask
@@ -34,7 +35,7 @@ def build_model(cfg: ModelConfig, head: str = "lm", *, dtype: Any = jnp.float32,
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat {remat!r} unknown; known: {sorted(REMAT_POLICIES)}")
     kw = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention_impl=attention_impl,
-              attention_window=attention_window, scan_unroll=scan_unroll)
+              attention_window=attention_window, scan_unroll=scan_unroll, lora=lora)
     if head == "lm":
         return CausalLM(cfg, **kw)
     if head == "value":
@@ -74,6 +75,8 @@ def load_model(model_dir: str | Path, head: str = "lm", *, mesh: jax.sharding.Me
 
     head "value": a token-classification checkpoint (`score.weight`, num_labels=1, e.g. a verl critic)
     loads its head; a causal-LM checkpoint gets a new head (HF's init: normal(0.02) weight, zero bias).
+    `lora=LoraSpec(rank > 0, ...)`: LoRA adapters on the chosen projections, initialised as PEFT does (A
+    kaiming-uniform, B zero: the model computes exactly the checkpoint's function until they are trained).
     """
     from jaxppo import sharding as shd
 
@@ -96,7 +99,12 @@ def load_model(model_dir: str | Path, head: str = "lm", *, mesh: jax.sharding.Me
     shardings = shd.param_shardings(boxed, mesh) if mesh is not None else None
     abstract = nn.unbox(boxed)
     skip = () if (head == "lm" or from_critic) else SCORE_PATHS
-    params = load_params(model_dir, abstract, cfg.num_hidden_layers, shardings, skip=skip)
+    adapters = tuple(p for p in traverse_util.flatten_dict(abstract) if is_adapter(p))
+    params = load_params(model_dir, abstract, cfg.num_hidden_layers, shardings, skip=skip + adapters)
+    if adapters:
+        lora_init = init_adapters(split(abstract, is_adapter)[0], rng if rng is not None else jax.random.PRNGKey(0),
+                                  split(shardings, is_adapter)[0] if shardings is not None else None)
+        params = merge(lora_init, split(params, lambda p: not is_adapter(p))[0])
     if skip:  # a new value head, HF's init: weight ~ normal(0, 0.02), bias 0
         flat = traverse_util.flatten_dict(params)
         flat_abs = traverse_util.flatten_dict(abstract)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxppo.models.config import ModelConfig
+from jaxppo.models.lora import LoraSpec, kaiming_a
 
 def _dots_and_attention(prim, *avals, **params) -> bool:
     """`dots` plus the fused attention's forward outputs (its output and softmax statistics): cuDNN's
@@ -42,13 +43,16 @@ def positions_from_mask(attention_mask: Int[Array, "b t"]) -> Int[Array, "b t"]:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) with W stored as [out, in] like torch.nn.Linear."""
+    """y = x W^T (+ b) with W stored as [out, in] like torch.nn.Linear; with `lora_rank` > 0, plus
+    (alpha / r) (x A^T) B^T from float32 adapters `lora_A` [r, in] and `lora_B` [out, r] (PEFT's layout)."""
 
     features: int
     axes: tuple[str, str]  # logical names of (out, in)
     use_bias: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    lora_rank: int = 0
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -59,6 +63,13 @@ class Linear(nn.Module):
             b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[:1]),
                            (self.features,), self.param_dtype)
             y = y + b.astype(self.dtype)
+        if self.lora_rank:
+            a = self.param("lora_A", nn.with_logical_partitioning(kaiming_a, ("lora", self.axes[1])),
+                           (self.lora_rank, x.shape[-1]), jnp.float32)
+            bb = self.param("lora_B", nn.with_logical_partitioning(nn.initializers.zeros, (self.axes[0], "lora")),
+                            (self.features, self.lora_rank), jnp.float32)
+            xa = jnp.einsum("...i,ri->...r", x.astype(self.dtype), a.astype(self.dtype))
+            y = y + (self.lora_scale * jnp.einsum("...r,or->...o", xa, bb.astype(self.dtype))).astype(y.dtype)
         return y
 
 
@@ -160,12 +171,17 @@ def cudnn_segment_attention(q, k, v, seqlen, offsets):
                                  qkv_layout="BTNH")
 
 
+def _lora(spec: LoraSpec, name: str) -> dict:
+    return dict(lora_rank=spec.on(name), lora_scale=spec.scale)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Any
     param_dtype: Any
     attention_impl: str | None
     window: int | None = None  # longest sequence: no token attends further back (packed rows are longer)
+    lora: LoraSpec = LoraSpec()
 
     @nn.compact
     def __call__(self, x, mask, cos, sin):
@@ -173,9 +189,12 @@ class Attention(nn.Module):
         c = self.cfg
         b, t, _ = x.shape
         lin = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        q = Linear(c.num_attention_heads * c.head_dim, ("heads", "embed"), c.attention_bias, name="q_proj", **lin)(x)
-        k = Linear(c.num_key_value_heads * c.head_dim, ("kv_heads", "embed"), c.attention_bias, name="k_proj", **lin)(x)
-        v = Linear(c.num_key_value_heads * c.head_dim, ("kv_heads", "embed"), c.attention_bias, name="v_proj", **lin)(x)
+        q = Linear(c.num_attention_heads * c.head_dim, ("heads", "embed"), c.attention_bias, name="q_proj", **lin,
+                   **_lora(self.lora, "q_proj"))(x)
+        k = Linear(c.num_key_value_heads * c.head_dim, ("kv_heads", "embed"), c.attention_bias, name="k_proj", **lin,
+                   **_lora(self.lora, "k_proj"))(x)
+        v = Linear(c.num_key_value_heads * c.head_dim, ("kv_heads", "embed"), c.attention_bias, name="v_proj", **lin,
+                   **_lora(self.lora, "v_proj"))(x)
         q = apply_rope(q.reshape(b, t, c.num_attention_heads, c.head_dim), cos, sin)
         k = apply_rope(k.reshape(b, t, c.num_key_value_heads, c.head_dim), cos, sin)
         v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
@@ -192,22 +211,23 @@ class Attention(nn.Module):
         out = out.reshape(b, t, c.num_attention_heads * c.head_dim)
         # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v bias does not.
         o_bias = c.attention_bias and c.family == "llama"
-        return Linear(c.hidden_size, ("embed", "heads"), o_bias, name="o_proj", **lin)(out)
+        return Linear(c.hidden_size, ("embed", "heads"), o_bias, name="o_proj", **lin, **_lora(self.lora, "o_proj"))(out)
 
 
 class MLP(nn.Module):
     cfg: ModelConfig
     dtype: Any
     param_dtype: Any
+    lora: LoraSpec = LoraSpec()
 
     @nn.compact
     def __call__(self, x):
         c = self.cfg
         lin = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=c.mlp_bias)
-        gate = Linear(c.intermediate_size, ("mlp", "embed"), name="gate_proj", **lin)(x)
-        up = Linear(c.intermediate_size, ("mlp", "embed"), name="up_proj", **lin)(x)
+        gate = Linear(c.intermediate_size, ("mlp", "embed"), name="gate_proj", **lin, **_lora(self.lora, "gate_proj"))(x)
+        up = Linear(c.intermediate_size, ("mlp", "embed"), name="up_proj", **lin, **_lora(self.lora, "up_proj"))(x)
         h = nn.with_logical_constraint(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-        return Linear(c.hidden_size, ("embed", "mlp"), name="down_proj", **lin)(h)
+        return Linear(c.hidden_size, ("embed", "mlp"), name="down_proj", **lin, **_lora(self.lora, "down_proj"))(h)
 
 
 class DecoderLayer(nn.Module):
@@ -216,16 +236,17 @@ class DecoderLayer(nn.Module):
     param_dtype: Any
     attention_impl: str | None
     window: int | None = None
+    lora: LoraSpec = LoraSpec()
 
     @nn.compact
     def __call__(self, x, mask, cos, sin):
         c = self.cfg
         norm = dict(eps=c.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         h = RMSNorm(name="input_layernorm", **norm)(x)
-        x = x + Attention(c, self.dtype, self.param_dtype, self.attention_impl, self.window, name="self_attn")(
-            h, mask, cos, sin)
+        x = x + Attention(c, self.dtype, self.param_dtype, self.attention_impl, self.window, self.lora,
+                          name="self_attn")(h, mask, cos, sin)
         h = RMSNorm(name="post_attention_layernorm", **norm)(x)
-        x = x + MLP(c, self.dtype, self.param_dtype, name="mlp")(h)
+        x = x + MLP(c, self.dtype, self.param_dtype, self.lora, name="mlp")(h)
         return nn.with_logical_constraint(x, ("batch", "seq", "act_embed")), None
 
 
@@ -239,6 +260,7 @@ class Decoder(nn.Module):
     attention_impl: str | None = None
     attention_window: int | None = None
     scan_unroll: int = 1  # layers per iteration of the layer loop; 0: all (no loop at run time)
+    lora: LoraSpec = LoraSpec()
 
     def setup(self):
         c = self.cfg
@@ -251,7 +273,7 @@ class Decoder(nn.Module):
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
             unroll=self.scan_unroll or c.num_hidden_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.dtype, self.param_dtype, self.attention_impl, self.attention_window)
+        )(c, self.dtype, self.param_dtype, self.attention_impl, self.attention_window, self.lora)
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
 
     def __call__(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
@@ -287,10 +309,11 @@ class CausalLM(nn.Module):
     attention_impl: str | None = None
     attention_window: int | None = None
     scan_unroll: int = 1
+    lora: LoraSpec = LoraSpec()
 
     def setup(self):
         self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
-                             self.attention_window, self.scan_unroll)
+                             self.attention_window, self.scan_unroll, self.lora)
         if not self.cfg.tie_word_embeddings:
             self.lm_head = Linear(self.cfg.vocab_size, ("vocab", "embed"), dtype=self.dtype,
                                   param_dtype=self.param_dtype)
@@ -318,11 +341,14 @@ class ValueModel(nn.Module):
     score_bias: bool = True
     attention_window: int | None = None
     scan_unroll: int = 1
+    lora: LoraSpec = LoraSpec()
 
     def setup(self):
         self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
-                             self.attention_window, self.scan_unroll)
-        self.score = Linear(1, ("score", "embed"), self.score_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+                             self.attention_window, self.scan_unroll, self.lora)
+        # under LoRA the head is trained in full while the base is frozen in the compute dtype: keep it float32
+        score_dtype = jnp.float32 if self.lora.rank else self.param_dtype
+        self.score = Linear(1, ("score", "embed"), self.score_bias, dtype=self.dtype, param_dtype=score_dtype)
 
     def __call__(self, input_ids, positions, segment_ids, segment_starts=None) -> Float[Array, "b t"]:
         hidden = self.model(input_ids, positions, segment_ids, segment_starts)

@@ -47,6 +47,42 @@ def check_logprobs_match_trainer(engine, module, params, vocab, temperature=0.7,
     return ro
 
 
+def lora_case(model_dir, seed: int = 0):
+    """A LoRA model of `model_dir` (rank 4, alpha 8, every projection) with trained-looking adapters (lora_B
+    random, not zero): (module, the whole parameter tree, base, adapters, scale)."""
+    from jaxppo.models import load_model
+    from jaxppo.models.lora import LoraSpec, is_adapter, split
+
+    spec = LoraSpec(4, 8.0)
+    module, params, _ = load_model(model_dir, dtype=jnp.float32, lora=spec, rng=jax.random.PRNGKey(seed))
+    adapters, base = split(params, is_adapter)
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 64))
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda path, x: 0.05 * jax.random.normal(next(keys), x.shape) if path[-1].key == "lora_B" else x, adapters)
+    from jaxppo.models.lora import merge
+
+    return module, merge(adapters, base), base, adapters, spec.scale
+
+
+def check_lora_push_matches_trainer(engine, model_dir, vocab, temperature=0.7, tol=1e-4):
+    """LoRA: the engine receives the base with the adapters merged (LoRAWeights) and samples what the
+    trainer's LoRA model (adapters applied beside the frozen base) gives the same log-probs."""
+    from jaxppo.models.lora import LoRAWeights
+
+    module, full, base, adapters, scale = lora_case(model_dir)
+    engine.update_weights(LoRAWeights(base, adapters, scale, jnp.float32))
+    p = prompts(vocab, seed=2)
+    ro = engine.generate(p, Sampling(n=2, temperature=temperature, max_tokens=MAX_TOKENS, seed=3))
+    ours = trainer_logprobs(module, full, p, ro, temperature)
+    m = ro.response_mask > 0
+    diff = np.abs(ours - ro.logprobs)[m]
+    assert diff.max() <= tol, diff.max()
+    # and the adapters matter: the base alone gives other log-probs
+    engine.update_weights(export_hf_arrays(base, jnp.float32))
+    plain = engine.generate(p, Sampling(n=2, temperature=temperature, max_tokens=MAX_TOKENS, seed=3))
+    assert not np.array_equal(plain.logprobs, ro.logprobs)
+
+
 def check_truncated_logprobs_match_trainer(engine, module, params, vocab, temperature=0.8, top_p=0.9, top_k=-1,
                                            tol=1e-4):
     """Under top-p / top-k the engine's log-probs describe the distribution it samples from (truncated and

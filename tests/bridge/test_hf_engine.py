@@ -67,3 +67,8 @@ def test_eos_stops_and_mask(setup):
 def test_unknown_engine_lists_known():
     with pytest.raises(KeyError, match=r"unknown rollout engine 'sglang'.*'hf', 'vllm'"):
         make_engine("sglang")
+
+
+def test_lora_merged_push_matches_trainer(setup, tiny_qwen):
+    engine, module, params, cfg = setup
+    checks.check_lora_push_matches_trainer(engine, tiny_qwen, cfg.vocab_size)

@@ -44,3 +44,8 @@ def test_seed_and_n(setup):
 def test_eos_stops_and_mask(setup):
     engine, module, params, cfg = setup
     checks.check_eos_stops(engine, cfg.vocab_size)
+
+
+def test_lora_merged_push_matches_trainer(setup, tiny_qwen):
+    engine, module, params, cfg = setup
+    checks.check_lora_push_matches_trainer(engine, tiny_qwen, cfg.vocab_size)
