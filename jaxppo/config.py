@@ -161,6 +161,14 @@ class RewardConfig:
     reward_model_combine: str = "replace"
 
 
+@dataclass(frozen=True)
+class CustomRewardFunctionConfig:
+    """verl's `custom_reward_function`: a reward function from a Python file, used for every data source."""
+
+    path: str | None = None  # a .py file (None: the rule registered for each row's data_source)
+    name: str = "compute_score"  # compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict
+
+
 FSDP_GATHER = ("layer", "update")  # mesh.fsdp_gather
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # mesh.grad_reduce_dtype
 
@@ -219,6 +227,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -321,6 +330,10 @@ def validate_paths(cfg: Config) -> None:
                       ("model.reward_model_path", cfg.model.reward_model_path)):
         if path is not None and not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{key}: {path}/config.json not found")
+    if cfg.custom_reward_function.path:
+        from jaxppo.rewards.custom import load_function
+
+        load_function(cfg.custom_reward_function.path, cfg.custom_reward_function.name)  # exits 2 if missing
 
 
 def validate_processes(cfg: Config, processes: int) -> None:

@@ -130,6 +130,20 @@ def gather_ragged(x: np.ndarray, fill) -> np.ndarray:
     return out[out != fill] if not (isinstance(fill, float) and np.isnan(fill)) else out[~np.isnan(out)]
 
 
+def gather_objects(obj) -> list:
+    """Every process's JSON-serialisable `obj`, in process order (a collective: all processes must call it)."""
+    import json
+
+    if process_count() == 1:
+        return [obj]
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = gather_rows(np.array([len(data)]))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: len(data)] = data
+    rows = gather_rows(padded[None])
+    return [json.loads(bytes(r[:n]).decode()) for r, n in zip(rows, sizes)]
+
+
 def local_rows(x, axis: int = 0) -> np.ndarray:
     """This process's part of a global array sharded over its batch axis `axis` (what it contributed)."""
     if process_count() == 1:
@@ -163,4 +177,5 @@ def any_process(flag: bool) -> bool:
 
 
 __all__ = ["Topology", "topology_from_env", "own_gpu_first", "initialize_from_env", "share", "gather_rows", "gather_ragged",
+           "gather_objects",
            "local_rows", "any_process", "process_count", "is_main", "barrier"]

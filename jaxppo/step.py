@@ -157,7 +157,8 @@ def score(ctx: StepContext, ds: Any, rows: np.ndarray, rollouts: Rollouts,
           batch: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, float]]:
     """Per-sequence scores of this process's rollouts: the rule reward of each row's data source (or the
     user's function), a reward model's score at the last response token (`model.reward_model_path`),
-    or their sum (`reward.reward_model_combine=add`). Returns (scores, this process's counts)."""
+    or their sum (`reward.reward_model_combine=add`). Returns (scores, this process's counts); a user's function
+    that returns a dict adds its other entries as per-sample arrays under `extra/<key>` (NaN where absent)."""
     cfg = ctx.cfg.reward
     counts: dict[str, float] = {}
     use_rule = ctx.reward_model is None or cfg.reward_model_combine == "add"
@@ -169,6 +170,7 @@ def score(ctx: StepContext, ds: Any, rows: np.ndarray, rollouts: Rollouts,
                           reward_fn=ctx.reward_fn)
         scores = scores + res.scores
         counts.update(errors=float(res.num_errors + res.num_timeouts), timeouts=float(res.num_timeouts))
+        counts.update({f"extra/{k}": v for k, v in res.extras.items()})
     if ctx.reward_model is not None:
         rm = np.asarray(ctx.reward_model.score(batch["input_ids"], batch["attention_mask"]), np.float32)
         counts["model_score_sum"] = float(rm.sum())
@@ -286,12 +288,19 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     if values is not None:
         local["values"] = values
     g = {k: dist.gather_rows(v) for k, v in local.items()}  # metrics are global
+    # a user's reward function's extra entries: the union of keys over processes, NaN where a sample has none
+    keys = sorted({k for ks in dist.gather_objects(sorted(k for k in reward_counts if k.startswith("extra/")))
+                   for k in ks})
+    extras = {k: dist.gather_rows(reward_counts.get(k, np.full(len(scores), np.nan))) for k in keys}
     metrics = rollout_metrics(ctx, state, step, g)
     metrics.update(kl_metrics)
     counts = g["reward_counts"].reshape(-1, 3).sum(0)
     metrics["reward/errors"], metrics["reward/timeouts"] = float(counts[0]), float(counts[1])
     if ctx.reward_model is not None:
         metrics["reward/model_score/mean"] = float(counts[2]) / max(len(g["scores"]), 1)
+    for k, v in extras.items():
+        if np.isfinite(v).any():
+            metrics[f"reward/{k}/mean"] = float(np.nanmean(v))
     lengths = g["prompt_lengths"] + g["lengths"]
     return state, Experience(batch, cbatch, metrics, lengths, g["lengths"])
 

@@ -30,6 +30,7 @@ from jaxppo.models import load_model, save_hf_checkpoint
 from jaxppo.models.config import load_config as load_model_config
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, zeros_like_adapters
+from jaxppo.rewards import custom as custom_reward
 from jaxppo.perf import device_peak_flops, flops_model
 from jaxppo.rollout import RolloutEngine
 from jaxppo.setup import DTYPES, attention_impl, engine_dtype, prepare_data, prepare_model_dir
@@ -144,7 +145,8 @@ class PPOTrainer:
         else:
             rollout_weights = lambda params: HFWeights(params, push_dtype)  # noqa: E731
         self.ctx = StepContext(cfg, actor, critic, engine, train_ds, val_ds, self.tokenizer, push_dtype,
-                               reward_model=reward_model, budgets=budgets, rollout_weights=rollout_weights,
+                               reward_model=reward_model, reward_fn=custom_reward.from_config(cfg),
+                               budgets=budgets, rollout_weights=rollout_weights,
                                flops={"actor": flops_model(self.model_cfg, lora=actor_lora),
                                       "critic": flops_model(critic_cfg, False, critic_lora)})
         self.state = PPOState(actor_state, critic_state, ref_params, cfg.algorithm.kl_ctrl.kl_coef)

@@ -19,6 +19,13 @@ def tiny_qwen(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """A random-init Qwen3ForCausalLM (q/k RMSNorm per head, no bias, head_dim apart from hidden / heads)."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", num_attention_heads=4,
+                              num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """The embedded default's tiny BPE tokenizer (with chat template), saved as a HF tokenizer directory."""
     from jaxppo.data.synthetic import build_tokenizer

@@ -13,16 +13,20 @@ TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 def make_hf_checkpoint(out: Path, family: str = "qwen2", *, tie: bool = False, rope_scaling: dict | None = None,
                        head: str = "lm", seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
-    """Save a random-init transformers model of `family` ('qwen2' | 'llama') to `out`; returns `out`."""
+    """Save a random-init transformers model of `family` ('qwen2' | 'qwen3' | 'llama') to `out`; returns `out`."""
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen2ForTokenClassification)
+                              Qwen2ForCausalLM, Qwen2ForTokenClassification, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3ForTokenClassification)
 
     torch.manual_seed(seed)
     kw = dict(TINY, tie_word_embeddings=tie, **overrides)
     if family == "qwen2":
         cfg = Qwen2Config(**kw)
         cls = Qwen2ForCausalLM if head == "lm" else Qwen2ForTokenClassification
+    elif family == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's configs do
+        cfg = Qwen3Config(**dict(dict(head_dim=32), **kw))
+        cls = Qwen3ForCausalLM if head == "lm" else Qwen3ForTokenClassification
     elif family == "llama":
         if rope_scaling is not None:
             kw["rope_scaling"] = rope_scaling

@@ -88,3 +88,9 @@ def test_ppo_step_parity_holds_on_other_checkpoints(family, seed, kw, tmp_path, 
 def test_ppo_step_rejects_a_batch_that_does_not_split(tiny_qwen, capsys):
     assert main(["ppo-step", "--model", str(tiny_qwen), "--batch", "12"]) == 2
     assert "--mini-batches" in capsys.readouterr().err
+
+
+def test_compare_logits_qwen3(tiny_qwen3, capsys):
+    assert main(["--model", str(tiny_qwen3), "--batch", "3", "--seq", "12"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["max_abs_logit_diff"] <= 1e-4 and report["valid_tokens"] < 3 * 12

@@ -1,4 +1,4 @@
-"""Flax Qwen2 / Llama models, their critic, and Hugging Face checkpoint I/O."""
+"""Flax Qwen2 / Qwen3 / Llama models, their critic, and Hugging Face checkpoint I/O."""
 
 from __future__ import annotations
 

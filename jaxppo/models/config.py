@@ -1,4 +1,4 @@
-"""Model configuration: the subset of a Hugging Face `config.json` that a Qwen2/Llama decoder needs.
+"""Model configuration: the subset of a Hugging Face `config.json` that a Qwen2 / Qwen3 / Llama decoder needs.
 
 Reads both the old top-level `rope_theta` / `rope_scaling` keys (as published Qwen2.5 and Llama-3
 checkpoints carry them) and transformers 5's `rope_parameters`.
@@ -19,18 +19,21 @@ from jaxppo.errors import CheckpointError
 # HF `architectures` entry -> (family, head kind). "lm": causal LM head; "score": token-classification head.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "Qwen3ForCausalLM": ("qwen3", "lm"),
     "LlamaForCausalLM": ("llama", "lm"),
     "Qwen2ForTokenClassification": ("qwen2", "score"),
+    "Qwen3ForTokenClassification": ("qwen3", "score"),
     "LlamaForTokenClassification": ("llama", "score"),
 }
+ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only LM of the Qwen2 / Llama family."""
+    """Shape and numerics of a decoder-only LM of the Qwen2 / Qwen3 / Llama family."""
 
-    family: str  # "qwen2" | "llama"
+    family: str  # "qwen2" | "qwen3" (RMSNorm on each head of q and k) | "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,7 +44,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v projections (always on for Qwen2)
+    attention_bias: bool  # bias on q/k/v projections (always on for Qwen2; Llama and Qwen3: on o too)
     mlp_bias: bool = False
     rope_type: str = "default"
     rope_factor: float = 1.0
@@ -55,14 +58,25 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        return "Qwen2ForCausalLM" if self.family == "qwen2" else "LlamaForCausalLM"
+        return ARCHITECTURE[self.family]
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over head_dim on every query and key head, before RoPE."""
+        return self.family == "qwen3"
+
+    @property
+    def o_bias(self) -> bool:
+        """Llama's and Qwen3's attention_bias also puts a bias on o_proj; Qwen2's q/k/v bias does not."""
+        return self.attention_bias and self.family in ("llama", "qwen3")
 
     def num_params(self, with_head: bool = True) -> int:
         """Parameter count (embedding included; a tied head counted once)."""
         d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
                            self.num_key_value_heads, self.head_dim)
         attn = d * h * hd * 2 + d * kv * hd * 2 + (h * hd + 2 * kv * hd if self.attention_bias else 0)
-        attn += d if (self.attention_bias and self.family == "llama") else 0
+        attn += d if self.o_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
         layer = attn + 3 * d * f + 2 * d + (2 * f + d if self.mlp_bias else 0)
         head = 0 if (self.tie_word_embeddings or not with_head) else self.vocab_size * d
         return self.vocab_size * d + self.num_hidden_layers * layer + d + head
@@ -113,7 +127,7 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "torch_dtype": "float32",
         }
-        if self.family == "llama":
+        if self.family in ("llama", "qwen3"):
             out["attention_bias"] = self.attention_bias
             out["mlp_bias"] = self.mlp_bias
         if num_labels is not None:
@@ -146,8 +160,8 @@ def config_from_hf_dict(raw: dict[str, Any], where: str = "config.json") -> tupl
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type")
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None and not archs and model_type in ("qwen2", "llama"):
-        arch = "Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"
+    if arch is None and not archs and model_type in ARCHITECTURE:
+        arch = ARCHITECTURE[model_type]
     if arch is None:
         raise CheckpointError(
             f"{where}: unsupported architecture {archs or model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")

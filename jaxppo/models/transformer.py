@@ -1,4 +1,4 @@
-"""Flax decoder-only LM of the Qwen2 / Llama family, and its critic (the same backbone + a scalar head).
+"""Flax decoder-only LM of the Qwen2 / Qwen3 / Llama family, and its critic (the same backbone + a scalar head).
 
 Weights are stored in Hugging Face's layout ([out, in] for projections) under Hugging Face's names,
 so checkpoint I/O and the torch bridge are a rename plus a layer index, never a transpose
@@ -195,8 +195,12 @@ class Attention(nn.Module):
                    **_lora(self.lora, "k_proj"))(x)
         v = Linear(c.num_key_value_heads * c.head_dim, ("kv_heads", "embed"), c.attention_bias, name="v_proj", **lin,
                    **_lora(self.lora, "v_proj"))(x)
-        q = apply_rope(q.reshape(b, t, c.num_attention_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.reshape(b, t, c.num_key_value_heads, c.head_dim), cos, sin)
+        q = q.reshape(b, t, c.num_attention_heads, c.head_dim)
+        k = k.reshape(b, t, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:  # Qwen3: RMSNorm over head_dim on every head, before RoPE
+            norm = dict(eps=c.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+            q, k = RMSNorm(name="q_norm", **norm)(q), RMSNorm(name="k_norm", **norm)(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
         q = nn.with_logical_constraint(q, ("batch", "seq", "act_heads", None))
         # cuDNN's packed layout attends within each run; with a mask (XLA, cudnn_mask), is_causal + a left
@@ -209,9 +213,7 @@ class Attention(nn.Module):
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window,
                                                implementation=impl)
         out = out.reshape(b, t, c.num_attention_heads * c.head_dim)
-        # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v bias does not.
-        o_bias = c.attention_bias and c.family == "llama"
-        return Linear(c.hidden_size, ("embed", "heads"), o_bias, name="o_proj", **lin, **_lora(self.lora, "o_proj"))(out)
+        return Linear(c.hidden_size, ("embed", "heads"), c.o_bias, name="o_proj", **lin, **_lora(self.lora, "o_proj"))(out)
 
 
 class MLP(nn.Module):

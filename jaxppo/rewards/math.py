@@ -1,7 +1,13 @@
-"""Answer comparison for integers, decimals and fractions, and a \\boxed{} math reward."""
+"""The \\boxed{} math reward: the last boxed answer against the ground truth, checked by `math-verify` (the
+parser / verifier verl, TRL and open-r1 use: LaTeX and plain expressions, fractions, roots, intervals, sets,
+equivalent forms), with exact integers / decimals / fractions compared directly first (no parser needed).
+
+math-verify's own timers are off (they would replace the caller's SIGALRM timer): the per-sample time limit
+of `jaxppo.rewards.registry.score_batch` bounds it, like every reward function."""
 
 from __future__ import annotations
 
+import logging
 import re
 from fractions import Fraction
 
@@ -50,7 +56,22 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def verify_latex(answer: str, ground_truth: str) -> bool:
+    """Mathematical equivalence of two LaTeX / plain answers by math-verify (False when either does not parse)."""
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" notices: the caller times it
+    gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=None)
+    pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
+
+
 def compute_score(solution_str: str, ground_truth: str, **_) -> float:
-    """1.0 when the last \\boxed{} answer equals the ground truth, else 0.0."""
+    """1.0 when the last \\boxed{} answer equals the ground truth (as numbers, else by math-verify), else 0.0."""
     answer = last_boxed(solution_str)
-    return 1.0 if answer is not None and math_equal(answer, ground_truth) else 0.0
+    if answer is None:
+        return 0.0
+    a, b = parse_number(answer), parse_number(ground_truth)
+    if a is not None and b is not None:  # plain numbers: exact, no parser
+        return 1.0 if math_equal(answer, ground_truth) else 0.0
+    return 1.0 if math_equal(answer, ground_truth) or verify_latex(answer, ground_truth) else 0.0

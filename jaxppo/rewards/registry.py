@@ -1,6 +1,8 @@
 """Reward functions by `data_source`, and batch scoring that never crashes or hangs a run.
 
-A reward function is `fn(solution_str, ground_truth, extra_info) -> float`. A function that raises,
+A registered reward function is `fn(solution_str, ground_truth, extra_info) -> float`; a user's function from
+a file (`jaxppo.rewards.custom`) takes verl's keyword arguments (data_source first) and may return a dict with
+a `score` key and other numbers (reported per key). A function that raises,
 returns a non-number, NaN or inf, or runs past `timeout_s` scores 0 for that sample; the counts are
 reported (`reward/errors`) and the first few offenders are logged. The time limit holds at every batch
 size: with `num_workers=0` each sample runs in this process under a SIGALRM timer (the trainer's main
@@ -53,6 +55,7 @@ class ScoreResult:
     scores: np.ndarray  # [n] float32
     num_errors: int  # raised, NaN/inf or non-number
     num_timeouts: int
+    extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # [n] float64 per key (NaN: absent)
 
 
 class _Timeout(Exception):
@@ -79,19 +82,30 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _score_one(fn: RewardFn, solution: str, ground_truth: str, extra_info: dict,
-               timeout_s: float = 0.0) -> tuple[float, str | None]:
-    """(score, None) or (0.0, why): a failure of the user's reward code scores 0, never crashes the run."""
+def _score_one(fn: RewardFn, data_source: str, solution: str, ground_truth: str, extra_info: dict,
+               timeout_s: float = 0.0) -> tuple[float, str | None, dict[str, float]]:
+    """(score, None, extras) or (0.0, why, {}): a failure of the user's reward code scores 0, never crashes the
+    run. A dict result gives the score under `score` and its other numeric entries as extras."""
+    extras: dict[str, float] = {}
     try:
         with _time_limit(timeout_s):
-            value = float(fn(solution, ground_truth, extra_info))
+            if getattr(fn, "takes_data_source", False):
+                out = fn(data_source, solution, ground_truth, extra_info)
+            else:
+                out = fn(solution, ground_truth, extra_info)
+        if isinstance(out, dict):
+            if "score" not in out:
+                return 0.0, f"returned a dict without a 'score' key (keys {sorted(out)[:8]})", {}
+            extras = {str(k): float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float, bool))}
+            out = out["score"]
+        value = float(out)
     except _Timeout:
-        return 0.0, f"timed out after {timeout_s}s"
+        return 0.0, f"timed out after {timeout_s}s", {}
     except Exception as e:  # noqa: BLE001 - any failure of user reward code scores 0
-        return 0.0, f"{type(e).__name__}: {e}"
+        return 0.0, f"{type(e).__name__}: {e}", {}
     if not pymath.isfinite(value):
-        return 0.0, f"returned {value}"
-    return value, None
+        return 0.0, f"returned {value}", {}
+    return value, None, extras
 
 
 _POOL: cf.ProcessPoolExecutor | None = None
@@ -134,21 +148,23 @@ def score_batch(data_sources: Sequence[str], solutions: Sequence[str], ground_tr
     extra_infos = extra_infos if extra_infos is not None else [{}] * n
     # functions travel to worker processes by reference (module + name), so user functions registered in
     # an importable module work in worker processes too
-    items = [(reward_fn or get_reward_fn(ds), sol, gt, ex, timeout_s)
+    items = [(reward_fn or get_reward_fn(ds), ds, sol, gt, ex, timeout_s)
              for ds, sol, gt, ex in zip(data_sources, solutions, ground_truths, extra_infos)]
     if num_workers <= 0:
         results = [_score_one(*it) for it in items]
     else:
         results = _score_in_workers(items, num_workers, timeout_s)
-    errors = [(i, msg) for i, (_, msg) in enumerate(results) if msg is not None]
+    errors = [(i, msg) for i, (_, msg, _) in enumerate(results) if msg is not None]
     for i, msg in errors[:max_logged]:
         log.warning("reward for sample %d (data_source=%r) scored 0: %s; response tail: %r", i, data_sources[i],
                     msg, solutions[i][-200:])
     timeouts = sum(_is_timeout(msg) for _, msg in errors)
-    return ScoreResult(np.asarray([s for s, _ in results], np.float32), len(errors) - timeouts, timeouts)
+    keys = sorted({k for _, _, ex in results for k in ex})
+    extras = {k: np.asarray([ex.get(k, np.nan) for _, _, ex in results], np.float64) for k in keys}
+    return ScoreResult(np.asarray([s for s, _, _ in results], np.float32), len(errors) - timeouts, timeouts, extras)
 
 
-def _score_in_workers(items: list[tuple], workers: int, timeout_s: float) -> list[tuple[float, str | None]]:
+def _score_in_workers(items: list[tuple], workers: int, timeout_s: float) -> list[tuple[float, str | None, dict]]:
     """One task per sample; each is timed in its worker. The batch's deadline (every worker running its
     share back to back at the limit, plus a grace period for starting the pool) catches a worker that its
     timer cannot interrupt; then the pool is replaced and the unfinished samples score 0 as timed out."""
@@ -157,7 +173,7 @@ def _score_in_workers(items: list[tuple], workers: int, timeout_s: float) -> lis
     deadline = None
     if timeout_s > 0:
         deadline = time.monotonic() + timeout_s * -(-len(items) // workers) + 30.0
-    results: list[tuple[float, str | None]] = []
+    results: list[tuple[float, str | None, dict]] = []
     stuck = False
     for fut in futures:
         try:
@@ -165,9 +181,9 @@ def _score_in_workers(items: list[tuple], workers: int, timeout_s: float) -> lis
             results.append(fut.result(timeout=left))
         except cf.TimeoutError:
             stuck = True
-            results.append((0.0, f"timed out after {timeout_s}s (worker did not return)"))
+            results.append((0.0, f"timed out after {timeout_s}s (worker did not return)", {}))
         except Exception as e:  # noqa: BLE001 - a worker that died (e.g. killed) scores its samples 0
-            results.append((0.0, f"worker failed: {type(e).__name__}: {e}"))
+            results.append((0.0, f"worker failed: {type(e).__name__}: {e}", {}))
     if stuck:
         _kill_pool()
     return results

@@ -98,3 +98,16 @@ def test_plan_refuses_layouts_it_does_not_know(tiny_qwen):
     plan = DirectCopy(destination(ref), shapes)
     with pytest.raises(PlanError, match="missing"):
         plan.copy(v for v in hf_views(params) if "down_proj" not in v[0])
+
+
+def test_direct_copy_qwen3_layout(tiny_qwen3):
+    """Qwen3: the per-head q / k norms are their own parameters in vLLM too; no q/k/v bias."""
+    _, params, _ = load_model(tiny_qwen3)
+    arrays = {n: np.asarray(a.astype(jnp.float32)) for n, a in export_hf_arrays(params, jnp.bfloat16)}
+    ref = fused_reference(arrays)
+    assert "model.layers.1.self_attn.q_norm.weight" in ref and "model.layers.0.self_attn.qkv_proj.weight" in ref
+    assert not any(n.endswith("qkv_proj.bias") for n in ref)
+    dst = destination(ref)
+    assert DirectCopy(dst, HFWeights(params).shapes()).push(params) == len(arrays)
+    for name, want in ref.items():
+        np.testing.assert_array_equal(dst[name].float().numpy(), want, err_msg=name)

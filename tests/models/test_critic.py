@@ -10,7 +10,7 @@ from jaxppo.models import load_model, save_hf_checkpoint
 from tests.helpers import left_padded_batch, make_hf_checkpoint
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_value_model_matches_hf_token_classification(family, tmp_path):
     path = make_hf_checkpoint(tmp_path / family, family, head="score")
     module, params, cfg = load_model(path, head="value")
@@ -37,7 +37,8 @@ def test_critic_from_actor_gets_new_head_and_actor_backbone(tiny_qwen, tmp_path)
 
 
 def test_num_params_matches_transformers(tmp_path):
-    for family, kw in [("qwen2", {}), ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen2", {"tie": True})]:
+    for family, kw in [("qwen2", {}), ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen2", {"tie": True}),
+                       ("qwen3", {}), ("qwen3", {"attention_bias": True, "tie": True})]:
         path = make_hf_checkpoint(tmp_path / f"{family}{len(kw)}", family, **kw)
         _, params, cfg = load_model(path)
         hf = sum(p.numel() for p in load_hf_model(path).parameters())

@@ -1,4 +1,4 @@
-"""Logits parity with transformers for tiny random Qwen2 / Llama checkpoints, and HF checkpoint I/O."""
+"""Logits parity with transformers for tiny random Qwen2 / Qwen3 / Llama checkpoints, and HF checkpoint I/O."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 VARIANTS = {
     "qwen2-untied": dict(family="qwen2", tie=False),
     "qwen2-tied": dict(family="qwen2", tie=True),
+    "qwen3-untied": dict(family="qwen3", tie=False, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3-tied-bias": dict(family="qwen3", tie=True, attention_bias=True),
     "llama": dict(family="llama"),
     "llama-rope-scaling": dict(family="llama", rope_scaling=LLAMA3_ROPE, attention_bias=True),
     "llama-linear-rope": dict(family="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),

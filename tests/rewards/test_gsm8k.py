@@ -53,3 +53,32 @@ def test_boxed():
     assert boxed_score("so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
     assert boxed_score("\\boxed{1} then \\boxed{2}", "2") == 1.0
     assert boxed_score("no box 2", "2") == 0.0
+
+
+@pytest.mark.parametrize("answer,truth", [
+    ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"),  # the same number, written two ways
+    ("\\frac{1}{2}", "0.5"),
+    ("\\dfrac{3}{4}", "\\frac{3}{4}"),
+    ("(1,2]", "(1, 2]"),  # an interval
+    ("\\{2, 1\\}", "\\{1,2\\}"),  # a set, order free
+    ("2\\pi", "\\pi \\cdot 2"),
+    ("x^2+2x+1", "(x+1)^2"),
+])
+def test_boxed_math_accepts_equivalent_latex(answer, truth):
+    assert boxed_score(f"The answer is $\\boxed{{{answer}}}$.", truth) == 1.0
+
+
+@pytest.mark.parametrize("answer,truth", [("\\sqrt{3}/2", "\\frac{\\sqrt{2}}{2}"), ("[1,2]", "(1, 2]"),
+                                          ("\\{1, 3\\}", "\\{1,2\\}"), ("x^2+1", "(x+1)^2"), ("", "1")])
+def test_boxed_math_rejects_different_answers(answer, truth):
+    assert boxed_score(f"$\\boxed{{{answer}}}$", truth) == 0.0
+
+
+def test_boxed_math_under_the_reward_time_limit():
+    """math-verify's own timers are off; the registry's per-sample limit still holds (SIGALRM not replaced)."""
+    from jaxppo.rewards import score_batch
+    from tests.rewards import flaky_rewards  # noqa: F401  (registers test/hangs)
+
+    res = score_batch(["math", "test/hangs", "math"], ["\\boxed{\\frac{1}{2}}", "", "\\boxed{(1,2]}"],
+                      ["0.5", "", "(1, 2]"], timeout_s=0.5)
+    assert res.scores.tolist() == [1.0, 0.0, 1.0] and res.num_timeouts == 1

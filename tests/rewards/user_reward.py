@@ -1,0 +1,27 @@
+"""A user's reward file, as verl's `custom_reward_function.path` points to (used by the tests)."""
+
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """1 for the right `#### <n>` answer, 0.1 for any `####` line, else 0; the response length as an extra."""
+    answer = solution_str.split("####")[-1].strip() if "####" in solution_str else None
+    score = 1.0 if answer == ground_truth else (0.1 if answer is not None else 0.0)
+    return {"score": score, "length": float(len(solution_str)), "formatted": answer is not None}
+
+
+def plain(data_source, solution_str, ground_truth, extra_info=None):
+    return 2.0 if data_source == "test/double" else 1.0
+
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    raise RuntimeError("the user's bug")
+
+
+def hangs(data_source, solution_str, ground_truth, extra_info=None):
+    while True:
+        time.sleep(0.01)
+
+
+def no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"accuracy": 1.0}
