@@ -27,6 +27,8 @@ class DataConfig:
     max_response_length: int = 256  # tokens generated per response
     truncation: str = "filter"  # filter | truncate_left | error, for longer prompts
     train_batch_size: int = 256  # prompts per PPO step
+    # prompts per generation round under algorithm.filter_groups (DAPO's dynamic sampling); 0: train_batch_size
+    gen_batch_size: int = 0
     val_batch_size: int = 512  # prompts per validation generate call
     shuffle: bool = True  # shuffle the training prompts each epoch (seeded)
     seed: int = 0  # shuffling seed
@@ -121,13 +123,24 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class ValKwargsConfig:
+    """Sampling for validation (verl's `rollout.val_kwargs`): n responses per prompt, greedy unless do_sample."""
+
+    n: int = 1  # responses per validation prompt (mean@n, best@n, maj@n)
+    do_sample: bool = False  # false: greedy (temperature, top_p and top_k are not used)
+    temperature: float = 0.0  # with do_sample
+    top_p: float = 1.0  # with do_sample
+    top_k: int = -1  # with do_sample; -1: off
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "hf"  # hf | vllm
     n: int = 1  # responses per prompt
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling
     top_k: int = -1  # -1: off
-    val_temperature: float = 0.0  # 0: greedy validation
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)  # validation sampling
     gpu_memory_utilization: float = 0.5  # vLLM's share of the card (GPU memory plan)
     enforce_eager: bool = False  # vLLM: no CUDA graphs
     cudagraph_mode: Optional[str] = None  # vLLM's compilation_config.cudagraph_mode (e.g. PIECEWISE); None: vLLM's
@@ -151,6 +164,28 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # KL penalty in the token rewards
     kl_penalty: str = "kl"  # estimator for the in-reward KL
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=lambda: FilterGroupsConfig())
+
+
+@dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: groups whose samples all got the same `metric` (no learning signal under a group
+    baseline) are dropped and the batch is refilled from further prompts, `data.gen_batch_size` per round."""
+
+    enable: bool = False
+    metric: str = "score"  # score (the reward function's) | seq_reward (after overlong shaping) | acc (a dict key)
+    max_num_gen_batches: int = 10  # generation rounds per step at most (0: no limit); then the batch is filled
+    # with dropped groups (no signal, but the step's shapes hold) and `batch/filled_groups` says how many
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a response longer than max_response_length - len loses up to
+    penalty_factor, linearly over the last `len` tokens: min(-(length - (R - len)) / len * penalty_factor, 0)."""
+
+    enable: bool = False
+    len: int = 0  # tokens of the buffer at the end of max_response_length
+    penalty_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +194,7 @@ class RewardConfig:
     timeout_s: float = 30.0  # per sample: past it the sample scores 0, counted in reward/errors (0: no limit)
     # with model.reward_model_path: replace (the reward model's score is the reward, as verl does) | add (rule + model)
     reward_model_combine: str = "replace"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass(frozen=True)
@@ -196,6 +232,9 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every N steps (-1: only at the end)
     test_freq: int = -1  # validate every N steps (-1: never)
     val_before_train: bool = True  # validate before the first step
+    # validate (the newest checkpoint of the run dir, trainer.resume_mode's checkpoint, or the model) and exit;
+    # no training state is built and nothing is trained or checkpointed
+    val_only: bool = False
     max_to_keep: int = 2  # checkpoints kept
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
     default_local_dir: str = "runs/default"  # run directory (checkpoints, metrics, config)
@@ -336,12 +375,27 @@ def validate_paths(cfg: Config) -> None:
         load_function(cfg.custom_reward_function.path, cfg.custom_reward_function.name)  # exits 2 if missing
 
 
+def uses_critic(cfg: Config) -> bool:
+    """A value model is trained for GAE only; the other estimators (GRPO, RLOO, REINFORCE++) have none."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def trained_models(cfg: Config) -> tuple[tuple[str, Any], ...]:
+    """(name, config section) of the models a run trains: the actor, and the critic where there is one (its keys
+    are not checked otherwise)."""
+    if uses_critic(cfg):
+        return (("actor", cfg.actor), ("critic", cfg.critic))
+    return (("actor", cfg.actor),)
+
+
 def validate_processes(cfg: Config, processes: int) -> None:
     """What several processes need: every batch splits evenly over them."""
     d = cfg.data
     if d.train_batch_size % processes:
         raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) does not split over {processes} processes")
-    for name, sub in (("actor", cfg.actor), ("critic", cfg.critic)):
+    if d.gen_batch_size % processes:
+        raise ConfigError(f"data.gen_batch_size ({d.gen_batch_size}) does not split over {processes} processes")
+    for name, sub in trained_models(cfg):
         if (sub.ppo_mini_batch_size * cfg.rollout.n) % processes:
             raise ConfigError(f"{name}.ppo_mini_batch_size x rollout.n does not split over {processes} processes")
 
@@ -369,6 +423,7 @@ CLOSED_SETS: dict[str, tuple] = {
     "rollout.cudagraph_mode": CUDAGRAPH_MODES,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "reward.reward_model_combine": ("replace", "add"),
+    "algorithm.filter_groups.metric": ("score", "seq_reward", "acc"),
     "mesh.fsdp_gather": FSDP_GATHER,
     "mesh.grad_reduce_dtype": GRAD_REDUCE_DTYPES,
     "trainer.early_stop_mode": ("max", "min"),
@@ -412,7 +467,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     check(d.val_batch_size > 0, "data.val_batch_size must be positive")
     check(d.max_prompt_length > 0 and d.max_response_length > 0,
           "data.max_prompt_length and data.max_response_length must be positive")
-    for name, sub in (("actor", a), ("critic", c)):
+    trained = trained_models(cfg)  # the critic's sizes matter only where there is a critic (GAE)
+    for name, sub in trained:
         check(sub.ppo_mini_batch_size <= d.train_batch_size,
               f"{name}.ppo_mini_batch_size ({sub.ppo_mini_batch_size}) is larger than data.train_batch_size "
               f"({d.train_batch_size})")
@@ -424,6 +480,27 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
               f"{name}'s micro-batch sizes must be >= 1")
         check(sub.optim.lr >= 0 and sub.optim.grad_clip > 0, f"{name}.optim.lr must be >= 0 and grad_clip > 0")
     check(r.n >= 1, "rollout.n must be >= 1")
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer
+    check(d.gen_batch_size >= 0, "data.gen_batch_size must be >= 0 (0: data.train_batch_size)")
+    if fg.enable:
+        check(r.n >= 2, "algorithm.filter_groups.enable needs rollout.n >= 2 (a group's samples are compared)")
+        check(fg.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: no limit)")
+        check(d.gen_batch_size == 0 or d.gen_batch_size >= d.train_batch_size,
+              f"data.gen_batch_size ({d.gen_batch_size}) must be >= data.train_batch_size ({d.train_batch_size}) "
+              "(0: equal)")
+    else:
+        check(d.gen_batch_size in (0, d.train_batch_size), "data.gen_batch_size is used by "
+              "algorithm.filter_groups.enable=true only; set it there or leave it 0")
+    if ob.enable:
+        check(0 < ob.len < d.max_response_length, f"reward.overlong_buffer.len ({ob.len}) must be in "
+              f"(0, data.max_response_length = {d.max_response_length})")
+        check(ob.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor must be >= 0")
+    v = r.val_kwargs
+    check(v.n >= 1, "rollout.val_kwargs.n must be >= 1")
+    check(not v.do_sample or v.temperature > 0, "rollout.val_kwargs.do_sample=true needs "
+          "rollout.val_kwargs.temperature > 0 (do_sample=false is greedy)")
+    check(0 < v.top_p <= 1 and (v.top_k == -1 or v.top_k > 0),
+          "rollout.val_kwargs.top_p must be in (0, 1] and top_k -1 (off) or positive")
     check(r.temperature >= 0, "rollout.temperature must be >= 0 (0: greedy)")
     check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     check(r.top_k == -1 or r.top_k > 0, f"rollout.top_k must be -1 (off) or positive, got {r.top_k}")
@@ -439,7 +516,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     check(cfg.model.scan_unroll >= 0, f"model.scan_unroll must be >= 0 (0: all layers), got {cfg.model.scan_unroll}")
     from jaxppo.models.lora import parse_targets
 
-    for name, sub in (("actor", a), ("critic", c)):
+    for name, sub in trained:
         check(sub.lora_rank >= 0, f"{name}.lora_rank must be >= 0 (0: full fine-tuning)")
         if sub.lora_rank:
             try:
@@ -450,9 +527,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             check(cfg.mesh.fsdp_gather == "layer", f"{name}.lora_rank > 0 needs mesh.fsdp_gather=layer (the frozen "
                   "base weights live outside the train state)")
     seq_len = d.max_prompt_length + d.max_response_length
-    for name, sub, keys in (("actor", a, ("ppo_max_token_len_per_device", "log_prob_max_token_len_per_device")),
-                            ("critic", c, ("ppo_max_token_len_per_device", "forward_max_token_len_per_device"))):
-        for key in keys:
+    budget_keys = {"actor": ("ppo_max_token_len_per_device", "log_prob_max_token_len_per_device"),
+                   "critic": ("ppo_max_token_len_per_device", "forward_max_token_len_per_device")}
+    for name, sub in trained:
+        for key in budget_keys[name]:
             v = getattr(sub, key)
             check(v == 0 or v >= seq_len, f"{name}.{key} ({v}) is smaller than one sequence (data.max_prompt_length "
                   f"+ data.max_response_length = {seq_len}); 0 picks the largest budget that fits")
@@ -482,10 +560,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"mesh.grad_reduce_dtype={cfg.mesh.grad_reduce_dtype} applies where each device holds whole parameters "
             f"(mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this mesh is {sizes}")
         seqs_step = d.train_batch_size * r.n
-        uses_critic = cfg.algorithm.adv_estimator == "gae"
-        for name, sub in (("actor", a), ("critic", c)):
-            if name == "critic" and not uses_critic:
-                continue
+        for name, sub in trained:
             micro = sub.ppo_micro_batch_size_per_device * batch_shards
             seqs = sub.ppo_mini_batch_size * r.n
             check(sub.use_dynamic_bsz or seqs % micro == 0,

@@ -19,64 +19,27 @@ from jaxppo.errors import JaxppoError
 
 def export(ckpt: str | Path, out: str | Path, dtype: str | None = None, peft: bool = False) -> Path:
     import jax.numpy as jnp
-    import orbax.checkpoint as ocp
 
-    import flax.linen as nn
-    import jax
-
-    from jaxppo.config import load_config
+    from jaxppo.checkpoint import restore_actor
     from jaxppo.errors import CheckpointError
-    from jaxppo.models import abstract_params, build_model, load_config as load_model_config, load_model
     from jaxppo.models import save_hf_checkpoint
-    from jaxppo.models.lora import is_adapter, merged_params, spec_from, split
-    from jaxppo.setup import DTYPES
+    from jaxppo.models.lora import spec_from
 
-    ckpt = Path(ckpt).absolute()
-    if not ckpt.is_dir() or not ckpt.name.isdigit():
-        raise CheckpointError(f"{ckpt}: expected a checkpoint step directory (RUN/checkpoints/<step>)")
-    run_dir = ckpt.parent.parent
-    if not (run_dir / "config.yaml").is_file():
-        raise CheckpointError(f"{run_dir}: no config.yaml next to the checkpoints (not a jaxppo run directory)")
-    cfg = load_config(run_dir / "config.yaml")
-    model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "init_model"
-    spec = spec_from(cfg.actor)
-    if peft and not spec.rank:
-        raise CheckpointError(f"{run_dir}: --peft needs a LoRA run (actor.lora_rank > 0); this run trained the "
+    actor = restore_actor(ckpt)
+    if peft and actor.adapters is None:
+        raise CheckpointError(f"{actor.run_dir}: --peft needs a LoRA run (actor.lora_rank > 0); this run trained the "
                               "whole model")
-    mcfg, _ = load_model_config(model_dir)
-    # the parameter tree's shapes only (nothing read from model_dir's weights): the checkpoint has the values
-    param_dtype = DTYPES[cfg.model.dtype if spec.rank else cfg.model.param_dtype]
-    shapes = nn.unbox(abstract_params(build_model(mcfg, param_dtype=param_dtype, lora=spec)))
-    if spec.rank:  # the checkpoint's actor params are the adapters
-        shapes = split(shapes, is_adapter)[0]
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
-    mngr = ocp.CheckpointManager(ckpt.parent)
-    # restore the actor's parameters only (optimizer state skipped)
-    meta = mngr.item_metadata(int(ckpt.name))
-    if meta is None or "actor" not in meta:
-        raise CheckpointError(f"{ckpt}: no actor state in this checkpoint")
-    restored = mngr.restore(int(ckpt.name), args=ocp.args.Composite(actor=ocp.args.PyTreeRestore(
-        item={"params": target}, partial_restore=True)))
-    params = restored["actor"]["params"]
-    mngr.close()
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype or "float32"]
-    base_dir = model_dir
-    if spec.rank:
-        base_dir = run_dir / "warm_model" if (run_dir / "warm_model" / "config.json").is_file() else model_dir
-        if cfg.model.random_init and base_dir == model_dir:
-            raise CheckpointError(f"{run_dir}: model.random_init=true: the LoRA base was never written to disk, so "
-                                  "the adapters cannot be merged into it")
-        _, base, _ = load_model(base_dir, dtype=jnp.float32, param_dtype=jnp.float32)
-        adapters = params
-        params = merged_params(base, adapters, spec.scale, jnp.float32)
-    out = save_hf_checkpoint(params, mcfg, out, dtype=dt)
-    tok_dir = Path(cfg.data.tokenizer) if cfg.data.tokenizer else (model_dir if cfg.model.path else run_dir / "tokenizer")
+    out = save_hf_checkpoint(actor.params, actor.model_cfg, out, dtype=dt)
+    cfg, run_dir = actor.cfg, actor.run_dir
+    tok_dir = Path(cfg.data.tokenizer) if cfg.data.tokenizer else (actor.model_dir if cfg.model.path
+                                                                   else run_dir / "tokenizer")
     for f in tok_dir.glob("*"):
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy(f, out / f.name)
     if peft:
-        write_peft_adapter(adapters, spec, mcfg.num_hidden_layers, base_dir.absolute(), out / "adapter")
+        write_peft_adapter(actor.adapters, spec_from(cfg.actor), actor.model_cfg.num_hidden_layers,
+                           actor.base_dir.absolute(), out / "adapter")
     return out
 
 

@@ -312,8 +312,10 @@ def plan_for_config(cfg: Any, num_devices: int) -> tuple[MemoryEstimate, TokenBu
     from jaxppo.sharding import resolve_mesh_shape
 
     actor, _ = load_model_config(cfg.model.path)
+    from jaxppo.config import uses_critic
+
     critic = None
-    if cfg.algorithm.adv_estimator == "gae":
+    if uses_critic(cfg):
         critic = load_model_config(cfg.model.critic_path)[0] if cfg.model.critic_path else actor
     sizes = resolve_mesh_shape(cfg.mesh.axes(), num_devices)
     shards = sizes["fsdp"] * sizes["tensor"]

@@ -79,7 +79,7 @@ class ConsoleSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         info = "  ".join(f"{label} {metrics[k]:.4g}" for k, label in self.KEYS if k in metrics)
-        vals = {k: v for k, v in metrics.items() if k.startswith("val/")}
+        vals = {k: v for k, v in metrics.items() if k.startswith(("val/", "val-core/"))}
         if vals:
             self.progress.console.print(f"step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in sorted(vals.items())))
         self.progress.update(self.task, completed=step, info=info)

@@ -1,11 +1,14 @@
 """One PPO step, as functions over explicit state: the algorithm in one place.
 
-    collect     sample prompts' responses with the actor's current weights pushed into the rollout engine
-                (DLPack), score them (rules and / or a reward model), run the forward passes (old and
-                reference log-probs, values), compute advantages over every process's rows;
+    sample      generate responses with the actor's current weights pushed into the rollout engine (DLPack)
+                and score them (rules, a user's function and / or a reward model; DAPO's overlong shaping);
+                with dynamic sampling, drop the groups without signal and refill from further prompts;
+    collect     sample, then run the forward passes (old and reference log-probs, values) and compute
+                advantages over every process's rows;
     update      the critic's and the actor's mini-batch updates (micro-batches accumulated inside one
-                jitted scan per mini-batch, jaxppo/engine.py);
-    validate    greedy (or sampled) generation on the validation set, scored per data source.
+                jitted scan per mini-batch, jaxppo/engine.py).
+
+Validation (n responses per prompt, verl's mean@n / best@n / maj@n) is `jaxppo/validation.py`.
 
 `PPOState` is everything the step changes (the actor's and critic's train states, the reference
 parameters, the KL coefficient); `StepContext` is what it computes with (engines, datasets, config). A
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import sys
 import time
 from typing import Any, Callable
@@ -34,8 +38,12 @@ from jaxppo.engine import ActorEngine, CriticEngine, TrainState
 from jaxppo.metrics import stats
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.perf import step_flops
+from jaxppo.errors import ConfigError
 from jaxppo.rewards import score_batch
+from jaxppo.rewards.shaping import groups_with_signal, overlong_penalty
 from jaxppo.rollout import RolloutEngine, Rollouts, Sampling, train_sequences
+
+log = logging.getLogger(__name__)
 
 
 class Timer:
@@ -157,8 +165,9 @@ def score(ctx: StepContext, ds: Any, rows: np.ndarray, rollouts: Rollouts,
           batch: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, float]]:
     """Per-sequence scores of this process's rollouts: the rule reward of each row's data source (or the
     user's function), a reward model's score at the last response token (`model.reward_model_path`),
-    or their sum (`reward.reward_model_combine=add`). Returns (scores, this process's counts); a user's function
-    that returns a dict adds its other entries as per-sample arrays under `extra/<key>` (NaN where absent)."""
+    or their sum (`reward.reward_model_combine=add`). Returns (scores, counts): this process's error and timeout
+    counts, and per-sample arrays: `model_score`, and `extra/<key>` for the other entries of a user's function's
+    dict results (NaN where absent)."""
     cfg = ctx.cfg.reward
     counts: dict[str, float] = {}
     use_rule = ctx.reward_model is None or cfg.reward_model_combine == "add"
@@ -173,7 +182,7 @@ def score(ctx: StepContext, ds: Any, rows: np.ndarray, rollouts: Rollouts,
         counts.update({f"extra/{k}": v for k, v in res.extras.items()})
     if ctx.reward_model is not None:
         rm = np.asarray(ctx.reward_model.score(batch["input_ids"], batch["attention_mask"]), np.float32)
-        counts["model_score_sum"] = float(rm.sum())
+        counts["model_score"] = rm
         scores = scores + rm
     return scores, counts
 
@@ -229,26 +238,144 @@ def forward_input(engine, dynamic: bool, budget: int, batch: dict[str, np.ndarra
     return engine.shard_packed(packed), lambda x: packed.unpack(dist.local_rows(x, axis=1), n)
 
 
+@dataclasses.dataclass
+class Sampled:
+    """This process's scored samples of the step: its prompts' dataset rows and token ids, the rollouts
+    (prompt-major, prompt_index into `rows`), the per-sequence scores (shaped) and the reward counts."""
+
+    rows: np.ndarray
+    prompts: list[np.ndarray]
+    rollouts: Rollouts
+    scores: np.ndarray
+    counts: dict[str, Any]
+
+    def take(self, prompts: np.ndarray) -> "Sampled":
+        """The samples of these prompts (indices into `rows`), re-indexed in that order."""
+        prompts = np.asarray(prompts, np.int64)
+        order = np.concatenate([np.flatnonzero(self.rollouts.prompt_index == p) for p in prompts]) \
+            if len(prompts) else np.zeros(0, np.int64)
+        ro = self.rollouts
+        new_index = np.repeat(np.arange(len(prompts)), [int((ro.prompt_index == p).sum()) for p in prompts])
+        sub = Rollouts(ro.response_ids[order], ro.response_mask[order], ro.logprobs[order],
+                       [ro.finish_reasons[i] for i in order], new_index.astype(np.int32))
+        counts = {k: (v[order] if isinstance(v, np.ndarray) else v) for k, v in self.counts.items()}
+        return Sampled(self.rows[prompts], [self.prompts[i] for i in prompts], sub, self.scores[order], counts)
+
+    @staticmethod
+    def concat(parts: list["Sampled"], pad_id: int = 0) -> "Sampled":
+        """One Sampled of several (prompts renumbered in order; scalar counts summed, arrays joined)."""
+        width = max(p.rollouts.response_ids.shape[1] for p in parts)
+        pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)  # noqa: E731
+        offsets = np.cumsum([0] + [len(p.rows) for p in parts[:-1]])
+        ro = Rollouts(np.concatenate([pad(p.rollouts.response_ids, pad_id) for p in parts]),
+                      np.concatenate([pad(p.rollouts.response_mask, 0.0) for p in parts]),
+                      np.concatenate([pad(p.rollouts.logprobs, 0.0) for p in parts]),
+                      [f for p in parts for f in p.rollouts.finish_reasons],
+                      np.concatenate([p.rollouts.prompt_index + o for p, o in zip(parts, offsets)]).astype(np.int32))
+        keys = {k for p in parts for k in p.counts}
+        n = [len(p.scores) for p in parts]
+        counts = {}
+        for k in keys:
+            if any(isinstance(p.counts.get(k), np.ndarray) for p in parts):
+                counts[k] = np.concatenate([p.counts.get(k, np.full(m, np.nan)) for p, m in zip(parts, n)])
+            else:
+                counts[k] = sum(float(p.counts.get(k, 0.0)) for p in parts)
+        return Sampled(np.concatenate([p.rows for p in parts]), [x for p in parts for x in p.prompts], ro,
+                       np.concatenate([p.scores for p in parts]), counts)
+
+
+def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer: Timer,
+           interrupt: Callable[[], None] = lambda: None,
+           draw: Callable[[], np.ndarray] | None = None) -> tuple[Sampled, dict[str, float]]:
+    """Generate and score this process's share of the step's prompts (`rows`: the global batch's dataset rows),
+    the scores shaped by DAPO's overlong penalty if enabled (`reward.overlong_buffer`).
+
+    With `algorithm.filter_groups` (DAPO's dynamic sampling) `rows` is a generation round of
+    `data.gen_batch_size` prompts: groups whose samples all share the filter metric are dropped and further
+    rounds (`draw()`: the next round's rows) run until every process holds its share of `data.train_batch_size`
+    prompts with signal (the processes decide together, so they draw the same rounds), at most
+    `max_num_gen_batches` rounds; then the batch is filled with dropped groups. Returns (this process's samples
+    for the step, global `batch/*` metrics)."""
+    cfg = ctx.cfg
+    r, fg, ob = cfg.rollout, cfg.algorithm.filter_groups, cfg.reward.overlong_buffer
+    want = dist.share(cfg.data.train_batch_size, "prompts of data.train_batch_size")
+    n_want = want.stop - want.start
+    pad_id = ctx.tokenizer.pad_token_id
+    kept: list[Sampled] = []
+    spare: list[Sampled] = []
+    generated = dropped = filled = rounds = 0
+    with awake(ctx, state.actor.params, timer):
+        while True:
+            mine = rows[dist.share(len(rows), "prompts of a generation round")]
+            prompts = [ctx.train_ds.input_ids[i] for i in mine]
+            # round 0 samples as a run without filtering does; later rounds with other seeds
+            sampling = Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=ctx.R,
+                                seed=cfg.trainer.seed * 1_000_003 + step + 7_919 * rounds)
+            with timer("gen"):
+                ro = ctx.engine.generate([p.tolist() for p in prompts], sampling)
+            interrupt()
+            p_ids, p_mask = left_pad(prompts, ctx.tokenizer.pad_token_id, ctx.P)
+            with timer("reward"):
+                scores, counts = score(ctx, ctx.train_ds, mine, ro, train_sequences(p_ids, p_mask, ro))
+                raw = scores
+                if ob.enable:
+                    penalty = overlong_penalty(ro.lengths, ctx.R, ob.len, ob.penalty_factor)
+                    counts.update({"extra/overlong_reward": penalty, "extra/overlong": (penalty < 0).astype(np.float64)})
+                    scores = (scores + penalty).astype(np.float32)
+            got = Sampled(mine, prompts, ro, scores, counts)
+            rounds += 1
+            if not fg.enable:
+                kept.append(got)
+                break
+            metric = {"score": raw, "seq_reward": scores, "acc": counts.get("extra/acc")}[fg.metric]
+            if metric is None:
+                raise ConfigError("algorithm.filter_groups.metric=acc needs a reward function that returns a dict "
+                                  "with an 'acc' entry (custom_reward_function)")
+            keep = groups_with_signal(np.asarray(metric), ro.prompt_index)
+            kept.append(got.take(keep))
+            spare.append(got.take(np.setdiff1d(np.arange(len(mine)), keep)))
+            generated, dropped = generated + len(mine), dropped + len(mine) - len(keep)
+            short = sum(len(k.rows) for k in kept) < n_want
+            if not dist.any_process(short):
+                break
+            if fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches:
+                if short:  # filled with groups that carry no signal: the step keeps its shapes
+                    filled = n_want - sum(len(k.rows) for k in kept)
+                    kept.append(Sampled.concat(spare, pad_id).take(np.arange(filled)))
+                    log.warning("dynamic sampling: %d of %d groups without signal after %d generation rounds "
+                                "(algorithm.filter_groups.max_num_gen_batches); the batch is filled with them",
+                                filled, n_want, rounds)
+                break
+            if draw is None:
+                raise ValueError("dynamic sampling needs draw() for further generation rounds")
+            interrupt()
+            rows = draw()
+    out = Sampled.concat(kept, pad_id) if len(kept) > 1 else kept[0]
+    if len(out.rows) > n_want:
+        out = out.take(np.arange(n_want))
+    metrics = {}
+    if fg.enable:
+        totals = dist.gather_rows(np.array([[generated, dropped, filled]], np.float64)).sum(0)
+        metrics = {"batch/num_gen_batches": float(rounds), "batch/generated_groups": totals[0],
+                   "batch/dropped_groups": totals[1], "batch/filled_groups": totals[2]}
+    return out, metrics
+
+
 def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer: Timer,
-            interrupt: Callable[[], None] = lambda: None) -> tuple[PPOState, Experience]:
+            interrupt: Callable[[], None] = lambda: None,
+            draw: Callable[[], np.ndarray] | None = None) -> tuple[PPOState, Experience]:
     """gen -> reward -> old / ref log-probs, values -> advantages for the global batch `rows` (dataset rows of
-    the step's prompts; this process generates for its share). `interrupt()` is called between phases (it
-    raises to abandon the step)."""
+    the step's prompts; this process generates for its share; `draw`: further rounds of dynamic sampling).
+    `interrupt()` is called between phases (it raises to abandon the step)."""
     cfg = ctx.cfg
     budgets = ctx.budgets
-    mine = dist.share(len(rows), "prompts of data.train_batch_size")
-    rows = rows[mine]
-    prompts = [ctx.train_ds.input_ids[i] for i in rows]
-    r = cfg.rollout
-    sampling = Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=ctx.R,
-                        seed=cfg.trainer.seed * 1_000_003 + step)
-    ro = generate(ctx, state.actor.params, prompts, sampling, timer)
+    got, batch_metrics = sample(ctx, state, rows, step, timer, interrupt, draw)
+    rows, prompts, ro, scores, reward_counts = got.rows, got.prompts, got.rollouts, got.scores, got.counts
+    mine = dist.share(cfg.data.train_batch_size, "prompts of data.train_batch_size")
     interrupt()
     p_ids, p_mask = left_pad(prompts, ctx.tokenizer.pad_token_id, ctx.P)
     batch = train_sequences(p_ids, p_mask, ro)
     rmask = batch["response_mask"]
-    with timer("reward"):
-        scores, reward_counts = score(ctx, ctx.train_ds, rows, ro, batch)
     a_in, a_out = forward_input(ctx.actor, cfg.actor.use_dynamic_bsz, budgets.actor_forward, batch,
                                 "actor.log_prob_max_token_len_per_device")
     with timer("old_log_prob"):
@@ -284,7 +411,8 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     local = {"scores": scores, "rewards": rewards.sum(-1), "adv": adv, "ret": ret, "sampling_lp": sampling_lp,
              "rollout_lp": ro.logprobs, "rmask": rmask, "lengths": ro.lengths.astype(np.float64),
              "prompt_lengths": p_mask.sum(-1)[ro.prompt_index].astype(np.float64),
-             "reward_counts": np.array([reward_counts.get(k, 0.0) for k in ("errors", "timeouts", "model_score_sum")])}
+             "reward_counts": np.array([float(reward_counts.get("errors", 0.0)), float(reward_counts.get("timeouts", 0.0)),
+                                        float(np.sum(reward_counts.get("model_score", 0.0)))])}
     if values is not None:
         local["values"] = values
     g = {k: dist.gather_rows(v) for k, v in local.items()}  # metrics are global
@@ -294,6 +422,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     extras = {k: dist.gather_rows(reward_counts.get(k, np.full(len(scores), np.nan))) for k in keys}
     metrics = rollout_metrics(ctx, state, step, g)
     metrics.update(kl_metrics)
+    metrics.update(batch_metrics)
     counts = g["reward_counts"].reshape(-1, 3).sum(0)
     metrics["reward/errors"], metrics["reward/timeouts"] = float(counts[0]), float(counts[1])
     if ctx.reward_model is not None:
@@ -412,37 +541,5 @@ def perf_metrics(ctx: StepContext, times: dict[str, float], exp: Experience, pea
     return m
 
 
-# ------------------------------------------------------------------ validation
-
-
-def validate(ctx: StepContext, actor_params: Any) -> dict[str, float]:
-    """Score the validation set (each process its share; weights pushed once), `val/<source>/score`."""
-    ds = ctx.val_ds
-    if ds is None:
-        return {}
-    bs = ctx.cfg.data.val_batch_size
-    mine = np.array_split(np.arange(len(ds)), jax.process_count())[jax.process_index()]
-    scores, index = [], []
-    reward = ctx.cfg.reward
-    with awake(ctx, actor_params):
-        for start in range(0, len(mine), bs):
-            rows = mine[start:start + bs]
-            ro = ctx.engine.generate([ds.input_ids[i].tolist() for i in rows],
-                                     Sampling(n=1, temperature=ctx.cfg.rollout.val_temperature, max_tokens=ctx.R,
-                                              seed=ctx.cfg.trainer.seed))
-            res = score_batch([ds.data_source[i] for i in rows], decode(ctx, ro), [ds.ground_truth[i] for i in rows],
-                              [ds.extra_info[i] for i in rows], num_workers=reward.num_workers,
-                              timeout_s=reward.timeout_s, reward_fn=ctx.reward_fn)
-            scores.extend(res.scores.tolist())
-            index.extend(rows.tolist())
-    scores = dist.gather_ragged(np.asarray(scores, np.float64), np.nan)
-    sources = [ds.data_source[i] for i in dist.gather_ragged(np.asarray(index, np.int64), -1)]
-    out = {}
-    for src in sorted(set(sources)):
-        out[f"val/{src}/score"] = float(np.mean([s for s, d in zip(scores, sources) if d == src]))
-    out["val/score"] = float(np.mean(scores))
-    return out
-
-
-__all__ = ["Timer", "PPOState", "StepContext", "Experience", "awake", "generate", "collect", "update", "score",
-           "advantages", "validate", "rollout_metrics", "perf_metrics"]
+__all__ = ["Timer", "PPOState", "StepContext", "Experience", "awake", "generate", "decode", "sample", "collect", "update",
+           "score", "advantages", "rollout_metrics", "perf_metrics"]

@@ -1,7 +1,9 @@
 """`python -m jaxppo.train [--config FILE] [key=value ...]`: PPO on the embedded default (CPU, synthetic
 arithmetic, a tiny model) unless a config says otherwise.
 
-Exit codes: 0 done, early-stopped, or stopped by SIGINT / SIGTERM (a checkpoint is written first; the
+`trainer.val_only=true` validates (the run's newest checkpoint, or the model) and exits.
+
+Exit codes: 0 done (or validated), early-stopped, or stopped by SIGINT / SIGTERM (a checkpoint is written first; the
 same command resumes); 2 bad configuration or input (nothing is built before the config is checked);
 3 ended by the health monitor (a rule with action `stop`, or trainer.max_bad_steps NaN/inf steps).
 """
@@ -46,7 +48,8 @@ def parse(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src.xla_bridge"):  # orbax logs every file it writes at INFO
+    # orbax logs every file it writes at INFO; tensorboardX each tag it renames (verl's "@" in val-core names)
+    for noisy in ("absl", "orbax", "jax._src.xla_bridge", "tensorboardX"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from jaxppo.config import load_config, validate, validate_paths
 
@@ -70,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             validate_processes(cfg, jax.process_count())
         from jaxppo import memory
 
-        planned = memory.plan_for_config(cfg, jax.device_count())
+        planned = None if cfg.trainer.val_only else memory.plan_for_config(cfg, jax.device_count())
         if planned is not None:  # a run that cannot fit the card stops here, before anything is allocated
             memory.check(cfg, *planned)
     except JaxppoError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if cfg.trainer.val_only:
+        return validate_only(cfg)
     from jaxppo.trainer import PPOTrainer
 
     if cfg.rollout.engine == "vllm" and jax.default_backend() == "gpu":
@@ -94,6 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     head = "done" if trainer.stop_reason is None else f"stopped ({trainer.stop_reason})"
     print(f"{head}: step {trainer.step}/{trainer.total_steps}  {summary}  run dir: {trainer.run_dir}")
     return trainer.exit_code
+
+
+def validate_only(cfg) -> int:
+    """`trainer.val_only=true`: validate once (jaxppo/validation.py), print the metrics, exit 0."""
+    from jaxppo.validation import validate_only as run
+
+    try:
+        step, metrics, what = run(cfg, make_engine_factory(cfg))
+    except JaxppoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for k in sorted(metrics):
+        if k.startswith(("val-core/", "val/")):
+            print(f"{k} = {metrics[k]:.4f}")
+    print(f"validated {what} (step {step}): val/score={metrics.get('val/score', float('nan')):.4f}  "
+          f"run dir: {cfg.trainer.default_local_dir}")
+    return 0
 
 
 if __name__ == "__main__":

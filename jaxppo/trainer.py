@@ -19,8 +19,9 @@ import numpy as np
 from jaxppo import distributed as dist
 from jaxppo import memory
 from jaxppo import step as ppo_step
+from jaxppo import validation
 from jaxppo.checkpoint import RunCheckpointer, restore_from
-from jaxppo.config import Config, to_yaml
+from jaxppo.config import Config, to_yaml, uses_critic
 from jaxppo.data import ResumableSampler
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.errors import ConfigError
@@ -67,11 +68,14 @@ class PPOTrainer:
         self.mesh = make_mesh(cfg.mesh.axes())
         self.tokenizer, self.tokenizer_dir, train_ds, val_ds = prepare_data(cfg, self.run_dir)
         self.model_dir = prepare_model_dir(cfg, self.run_dir, self.tokenizer)
-        self.sampler = ResumableSampler(len(train_ds), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        # dynamic sampling draws generation rounds of data.gen_batch_size prompts (see ppo_step.sample)
+        round_size = (cfg.data.gen_batch_size or cfg.data.train_batch_size) if cfg.algorithm.filter_groups.enable \
+            else cfg.data.train_batch_size
+        self.sampler = ResumableSampler(len(train_ds), round_size, cfg.data.seed, cfg.data.shuffle)
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
         self.eos_ids = tuple(sorted({self.tokenizer.eos_token_id}))
         self.engine_dtype = engine_dtype(cfg)
-        self.use_critic = cfg.algorithm.adv_estimator == "gae"
+        self.use_critic = uses_critic(cfg)
         self.model_cfg, _ = load_model_config(self.model_dir)
         critic_cfg = load_model_config(cfg.model.critic_path)[0] if cfg.model.critic_path else self.model_cfg
         shards = self.mesh.shape["fsdp"] * self.mesh.shape["tensor"]
@@ -260,7 +264,8 @@ class PPOTrainer:
         try:
             with timer("step"):
                 rows = self.sampler.next_batch()
-                state, exp = ppo_step.collect(self.ctx, self.state, rows, self.step, timer, self._interrupt_point)
+                state, exp = ppo_step.collect(self.ctx, self.state, rows, self.step, timer, self._interrupt_point,
+                                              draw=self.sampler.next_batch)
                 found = self.health.decide(exp.metrics, "pre")
                 skip = any(f.action in ("skip_update", "stop") for f in found)
                 self._interrupt_point()
@@ -298,7 +303,7 @@ class PPOTrainer:
         self.engine.update_weights(self.ctx.rollout_weights(self.state.actor.params))
 
     def validate(self) -> dict[str, float]:
-        return ppo_step.validate(self.ctx, self.state.actor.params)
+        return validation.validate(self.ctx, self.state.actor.params)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -45,9 +45,9 @@ def sft_warm_start(trainer, params: Any) -> Any:
     engine = ActorEngine(trainer.actor_module, trainer.mesh, acfg, trainer.R, max(t.sft_warmup_steps, 1),
                          fsdp_gather=c.mesh.fsdp_gather, grad_reduce_dtype=c.mesh.grad_reduce_dtype)
     state = engine.init_state(params)
-    bs = c.data.train_batch_size * c.rollout.n
-    bs = min(bs, len(trainer.train_ds)) // (acfg.ppo_micro_batch_size_per_device * engine.batch_shards) \
-        * acfg.ppo_micro_batch_size_per_device * engine.batch_shards
+    # the step's sequence count, rounded down to whole micro-batches on every batch shard (at least one each)
+    unit = acfg.ppo_micro_batch_size_per_device * engine.batch_shards
+    bs = max(unit, min(c.data.train_batch_size * c.rollout.n, len(trainer.train_ds)) // unit * unit)
     sampler = ResumableSampler(len(trainer.train_ds), bs, seed=c.data.seed + 1)
     for step in range(t.sft_warmup_steps):
         rows = sampler.next_batch()

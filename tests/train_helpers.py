@@ -19,6 +19,18 @@ FAST = ["data.train_batch_size=8", "data.max_response_length=12", "data.syntheti
         "trainer.logger=[jsonl]"]
 
 
+# a GSM8K recipe config (configs/gsm8k_*.yaml) pointed at the embedded default's task, shrunk like FAST: the
+# recipe's algorithm, loss, sampling and packing settings on the synthetic data, with the tiny model and the
+# transformers engine on CPU
+ON_EMBEDDED_TASK = ["data.train_files=[]", "data.val_files=[]", "model.path=null", "rollout.engine=hf",
+                    "model.dtype=float32", "model.remat=none", "data.max_prompt_length=48",
+                    "data.max_response_length=12", "data.train_batch_size=8", "data.val_batch_size=16",
+                    "data.synthetic_train_size=200", "data.synthetic_val_size=16", "data.synthetic_operators=+",
+                    "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4", "model.tiny_hidden_size=64",
+                    "trainer.sft_warmup_steps=5", "trainer.sft_lr=3e-3", "trainer.test_freq=3",
+                    "trainer.save_freq=-1", "trainer.logger=[jsonl]"]
+
+
 def train_env(devices: int = 1, **extra: str) -> dict:
     """The environment of a run in a subprocess: `devices` CPU devices (one, like a user's run)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
@@ -29,8 +41,11 @@ def train_env(devices: int = 1, **extra: str) -> dict:
 
 
 def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 600,
-              extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={run_dir}", *overrides],
+              extra_env: dict | None = None, config: str | Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m jaxppo.train [--config config] trainer.default_local_dir=run_dir overrides...` in a subprocess."""
+    head = ["--config", str(config)] if config is not None else []
+    res = subprocess.run([sys.executable, "-m", "jaxppo.train", *head, f"trainer.default_local_dir={run_dir}",
+                          *overrides],
                          capture_output=True, text=True, timeout=timeout, env=train_env(**(extra_env or {})), cwd=ROOT)
     if check and res.returncode != 0:
         raise AssertionError(res.stdout[-3000:] + res.stderr[-5000:])

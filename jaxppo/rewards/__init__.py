@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxppo.rewards import gsm8k, math
-from jaxppo.rewards.registry import REWARD_FUNCTIONS, ScoreResult, get_reward_fn, score_batch
+from jaxppo.rewards.registry import (ANSWER_EXTRACTORS, REWARD_FUNCTIONS, ScoreResult, get_answer_extractor,
+                                     get_reward_fn, score_batch)
 
-__all__ = ["REWARD_FUNCTIONS", "ScoreResult", "get_reward_fn", "score_batch", "gsm8k", "math"]
+__all__ = ["ANSWER_EXTRACTORS", "REWARD_FUNCTIONS", "get_answer_extractor", "ScoreResult", "get_reward_fn", "score_batch", "gsm8k", "math"]

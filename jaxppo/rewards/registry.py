@@ -2,7 +2,7 @@
 
 A registered reward function is `fn(solution_str, ground_truth, extra_info) -> float`; a user's function from
 a file (`jaxppo.rewards.custom`) takes verl's keyword arguments (data_source first) and may return a dict with
-a `score` key and other numbers (reported per key). A function that raises,
+a `score` key, other numbers (reported per key) and `pred`, the answer it extracted (majority voting). A function that raises,
 returns a non-number, NaN or inf, or runs past `timeout_s` scores 0 for that sample; the counts are
 reported (`reward/errors`) and the first few offenders are logged. The time limit holds at every batch
 size: with `num_workers=0` each sample runs in this process under a SIGALRM timer (the trainer's main
@@ -50,12 +50,40 @@ def get_reward_fn(data_source: str) -> RewardFn:
     return REWARD_FUNCTIONS.get(data_source if data_source in REWARD_FUNCTIONS else DEFAULT)
 
 
+# the answer a response gives, for majority voting in validation (`maj@n`): one extractor per reward rule,
+# normalised so that equal answers vote together (numbers as exact fractions, other text without spaces)
+ANSWER_EXTRACTORS: Registry[Callable[[str], "str | None"]] = Registry("answer extractor")
+
+
+def _canonical(answer: str | None) -> str | None:
+    if answer is None:
+        return None
+    number = math.parse_number(answer)
+    return str(number) if number is not None else "".join(answer.split())
+
+
+@ANSWER_EXTRACTORS.register("openai/gsm8k", "synthetic/arithmetic")
+def _gsm8k_answer(solution_str: str) -> str | None:
+    return _canonical(gsm8k.extract_solution(solution_str, "strict"))
+
+
+@ANSWER_EXTRACTORS.register("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math", DEFAULT)
+def _math_answer(solution_str: str) -> str | None:
+    return _canonical(math.last_boxed(solution_str))
+
+
+def get_answer_extractor(data_source: str) -> Callable[[str], "str | None"]:
+    """The extractor of the rule that scores `data_source` (the default's for unregistered sources)."""
+    return ANSWER_EXTRACTORS.get(data_source if data_source in ANSWER_EXTRACTORS else DEFAULT)
+
+
 @dataclasses.dataclass
 class ScoreResult:
     scores: np.ndarray  # [n] float32
     num_errors: int  # raised, NaN/inf or non-number
     num_timeouts: int
     extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # [n] float64 per key (NaN: absent)
+    preds: list[str | None] | None = None  # a user's function's `pred` entries (verl's vote key), when it gives them
 
 
 class _Timeout(Exception):
@@ -96,7 +124,10 @@ def _score_one(fn: RewardFn, data_source: str, solution: str, ground_truth: str,
         if isinstance(out, dict):
             if "score" not in out:
                 return 0.0, f"returned a dict without a 'score' key (keys {sorted(out)[:8]})", {}
-            extras = {str(k): float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float, bool))}
+            extras = {str(k): float(v) for k, v in out.items()
+                      if k not in ("score", "pred") and isinstance(v, (int, float, bool))}
+            if out.get("pred") is not None:  # the answer it extracted, for majority voting (verl's key)
+                extras["pred"] = str(out["pred"])
             out = out["score"]
         value = float(out)
     except _Timeout:
@@ -159,9 +190,11 @@ def score_batch(data_sources: Sequence[str], solutions: Sequence[str], ground_tr
         log.warning("reward for sample %d (data_source=%r) scored 0: %s; response tail: %r", i, data_sources[i],
                     msg, solutions[i][-200:])
     timeouts = sum(_is_timeout(msg) for _, msg in errors)
-    keys = sorted({k for _, _, ex in results for k in ex})
+    keys = sorted({k for _, _, ex in results for k in ex} - {"pred"})
     extras = {k: np.asarray([ex.get(k, np.nan) for _, _, ex in results], np.float64) for k in keys}
-    return ScoreResult(np.asarray([s for s, _, _ in results], np.float32), len(errors) - timeouts, timeouts, extras)
+    preds = [ex.get("pred") for _, _, ex in results] if any("pred" in ex for _, _, ex in results) else None
+    return ScoreResult(np.asarray([s for s, _, _ in results], np.float32), len(errors) - timeouts, timeouts, extras,
+                       preds)
 
 
 def _score_in_workers(items: list[tuple], workers: int, timeout_s: float) -> list[tuple[float, str | None, dict]]:
