@@ -100,6 +100,12 @@ def process_count() -> int:
     return jax.process_count()
 
 
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
 def share(n: int, what: str = "items") -> slice:
     """This process's contiguous share of n items (n must split evenly)."""
     import jax
@@ -178,4 +184,4 @@ def any_process(flag: bool) -> bool:
 
 __all__ = ["Topology", "topology_from_env", "own_gpu_first", "initialize_from_env", "share", "gather_rows", "gather_ragged",
            "gather_objects",
-           "local_rows", "any_process", "process_count", "is_main", "barrier"]
+           "local_rows", "any_process", "process_count", "process_index", "is_main", "barrier"]

@@ -23,6 +23,33 @@ def stats(prefix: str, x: np.ndarray, mask: np.ndarray | None = None) -> dict[st
     return {f"{prefix}/mean": float(vals.mean()), f"{prefix}/max": float(vals.max()), f"{prefix}/min": float(vals.min())}
 
 
+def rollout_metrics(g: dict[str, np.ndarray], step: int, kl_coef: float, max_response_length: int) -> dict[str, float]:
+    """A PPO step's rollout / advantage metrics (verl's names) from every process's rows `g`: scores, rewards,
+    advantages, returns, values, lengths, the engine's (`rollout_lp`) and the trainer's (`sampling_lp`)
+    log-probs, response mask. The rollout-vs-trainer mismatch compares them under the same distribution: the one
+    the engine samples from (after top-k / top-p when they truncate)."""
+    from jaxppo.ppo import rollout_mismatch_metrics
+
+    rmask = g["rmask"]
+    m: dict[str, float] = {"actor/kl_coef": kl_coef, "training/global_step": float(step + 1)}
+    m.update(stats("critic/score", g["scores"]))
+    m.update(stats("critic/rewards", g["rewards"]))
+    m.update(stats("critic/advantages", g["adv"], rmask))
+    m.update(stats("critic/returns", g["ret"], rmask))
+    if "values" in g:
+        values, ret = g["values"], g["ret"]
+        m.update(stats("critic/values", values, rmask))
+        v = rmask > 0
+        var_ret = np.var(ret[v])
+        m["critic/vf_explained_var"] = float(1.0 - np.var(ret[v] - values[v]) / (var_ret + 1e-8))
+    m.update(stats("response_length", g["lengths"]))
+    m["response_length/clip_ratio"] = float(np.mean(g["lengths"] >= max_response_length))
+    m.update(stats("prompt_length", g["prompt_lengths"]))
+    m.update({k: float(v) for k, v in rollout_mismatch_metrics(g["sampling_lp"], g["rollout_lp"], rmask).items()})
+    m["perf/total_num_tokens"] = float(g["prompt_lengths"].sum() + g["lengths"].sum())
+    return m
+
+
 class JsonlSink:
     def __init__(self, path: Path):
         self.f = open(path, "a", buffering=1)

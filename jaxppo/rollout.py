@@ -47,6 +47,52 @@ class Rollouts:
         return self.response_mask.sum(-1).astype(np.int32)
 
 
+@dataclasses.dataclass
+class Sampled:
+    """This process's scored samples of the step: its prompts' dataset rows and token ids, the rollouts
+    (prompt-major, prompt_index into `rows`), the per-sequence scores (shaped) and the reward counts."""
+
+    rows: np.ndarray
+    prompts: list[np.ndarray]
+    rollouts: Rollouts
+    scores: np.ndarray
+    counts: dict[str, Any]
+
+    def take(self, prompts: np.ndarray) -> "Sampled":
+        """The samples of these prompts (indices into `rows`), re-indexed in that order."""
+        prompts = np.asarray(prompts, np.int64)
+        order = np.concatenate([np.flatnonzero(self.rollouts.prompt_index == p) for p in prompts]) \
+            if len(prompts) else np.zeros(0, np.int64)
+        ro = self.rollouts
+        new_index = np.repeat(np.arange(len(prompts)), [int((ro.prompt_index == p).sum()) for p in prompts])
+        sub = Rollouts(ro.response_ids[order], ro.response_mask[order], ro.logprobs[order],
+                       [ro.finish_reasons[i] for i in order], new_index.astype(np.int32))
+        counts = {k: (v[order] if isinstance(v, np.ndarray) else v) for k, v in self.counts.items()}
+        return Sampled(self.rows[prompts], [self.prompts[i] for i in prompts], sub, self.scores[order], counts)
+
+    @staticmethod
+    def concat(parts: list["Sampled"], pad_id: int = 0) -> "Sampled":
+        """One Sampled of several (prompts renumbered in order; scalar counts summed, arrays joined)."""
+        width = max(p.rollouts.response_ids.shape[1] for p in parts)
+        pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)  # noqa: E731
+        offsets = np.cumsum([0] + [len(p.rows) for p in parts[:-1]])
+        ro = Rollouts(np.concatenate([pad(p.rollouts.response_ids, pad_id) for p in parts]),
+                      np.concatenate([pad(p.rollouts.response_mask, 0.0) for p in parts]),
+                      np.concatenate([pad(p.rollouts.logprobs, 0.0) for p in parts]),
+                      [f for p in parts for f in p.rollouts.finish_reasons],
+                      np.concatenate([p.rollouts.prompt_index + o for p, o in zip(parts, offsets)]).astype(np.int32))
+        keys = {k for p in parts for k in p.counts}
+        n = [len(p.scores) for p in parts]
+        counts = {}
+        for k in keys:
+            if any(isinstance(p.counts.get(k), np.ndarray) for p in parts):
+                counts[k] = np.concatenate([p.counts.get(k, np.full(m, np.nan)) for p, m in zip(parts, n)])
+            else:
+                counts[k] = sum(float(p.counts.get(k, 0.0)) for p in parts)
+        return Sampled(np.concatenate([p.rows for p in parts]), [x for p in parts for x in p.prompts], ro,
+                       np.concatenate([p.scores for p in parts]), counts)
+
+
 class RolloutEngine(Protocol):
     def update_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
         """Load new weights, given as (HF name, array with __dlpack__) pairs, consumed one at a time."""

@@ -35,13 +35,13 @@ from jaxppo import ppo
 from jaxppo.config import Config
 from jaxppo.data import left_pad
 from jaxppo.engine import ActorEngine, CriticEngine, TrainState
-from jaxppo.metrics import stats
+from jaxppo.metrics import rollout_metrics
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.perf import step_flops
 from jaxppo.errors import ConfigError
 from jaxppo.rewards import score_batch
 from jaxppo.rewards.shaping import groups_with_signal, overlong_penalty
-from jaxppo.rollout import RolloutEngine, Rollouts, Sampling, train_sequences
+from jaxppo.rollout import RolloutEngine, Rollouts, Sampled, Sampling, train_sequences
 
 log = logging.getLogger(__name__)
 
@@ -145,15 +145,8 @@ def awake(ctx: StepContext, actor_params: Any, timer: Timer | None = None):
                 ctx.engine.sleep()
 
 
-def generate(ctx: StepContext, actor_params: Any, prompts: list[np.ndarray], sampling: Sampling,
-             timer: Timer | None = None) -> Rollouts:
-    """wake -> push weights -> generate (timing_s/gen) -> sleep."""
-    timer = timer or Timer()
-    with awake(ctx, actor_params, timer), timer("gen"):
-        return ctx.engine.generate([p.tolist() for p in prompts], sampling)
-
-
 def decode(ctx: StepContext, rollouts: Rollouts) -> list[str]:
+    """Each response's text (up to its length, special tokens dropped): what the reward functions score."""
     return [ctx.tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
             for ids, n in zip(rollouts.response_ids, rollouts.lengths)]
 
@@ -236,52 +229,6 @@ def forward_input(engine, dynamic: bool, budget: int, batch: dict[str, np.ndarra
                          budget, what)
     n = batch["input_ids"].shape[0]
     return engine.shard_packed(packed), lambda x: packed.unpack(dist.local_rows(x, axis=1), n)
-
-
-@dataclasses.dataclass
-class Sampled:
-    """This process's scored samples of the step: its prompts' dataset rows and token ids, the rollouts
-    (prompt-major, prompt_index into `rows`), the per-sequence scores (shaped) and the reward counts."""
-
-    rows: np.ndarray
-    prompts: list[np.ndarray]
-    rollouts: Rollouts
-    scores: np.ndarray
-    counts: dict[str, Any]
-
-    def take(self, prompts: np.ndarray) -> "Sampled":
-        """The samples of these prompts (indices into `rows`), re-indexed in that order."""
-        prompts = np.asarray(prompts, np.int64)
-        order = np.concatenate([np.flatnonzero(self.rollouts.prompt_index == p) for p in prompts]) \
-            if len(prompts) else np.zeros(0, np.int64)
-        ro = self.rollouts
-        new_index = np.repeat(np.arange(len(prompts)), [int((ro.prompt_index == p).sum()) for p in prompts])
-        sub = Rollouts(ro.response_ids[order], ro.response_mask[order], ro.logprobs[order],
-                       [ro.finish_reasons[i] for i in order], new_index.astype(np.int32))
-        counts = {k: (v[order] if isinstance(v, np.ndarray) else v) for k, v in self.counts.items()}
-        return Sampled(self.rows[prompts], [self.prompts[i] for i in prompts], sub, self.scores[order], counts)
-
-    @staticmethod
-    def concat(parts: list["Sampled"], pad_id: int = 0) -> "Sampled":
-        """One Sampled of several (prompts renumbered in order; scalar counts summed, arrays joined)."""
-        width = max(p.rollouts.response_ids.shape[1] for p in parts)
-        pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)  # noqa: E731
-        offsets = np.cumsum([0] + [len(p.rows) for p in parts[:-1]])
-        ro = Rollouts(np.concatenate([pad(p.rollouts.response_ids, pad_id) for p in parts]),
-                      np.concatenate([pad(p.rollouts.response_mask, 0.0) for p in parts]),
-                      np.concatenate([pad(p.rollouts.logprobs, 0.0) for p in parts]),
-                      [f for p in parts for f in p.rollouts.finish_reasons],
-                      np.concatenate([p.rollouts.prompt_index + o for p, o in zip(parts, offsets)]).astype(np.int32))
-        keys = {k for p in parts for k in p.counts}
-        n = [len(p.scores) for p in parts]
-        counts = {}
-        for k in keys:
-            if any(isinstance(p.counts.get(k), np.ndarray) for p in parts):
-                counts[k] = np.concatenate([p.counts.get(k, np.full(m, np.nan)) for p, m in zip(parts, n)])
-            else:
-                counts[k] = sum(float(p.counts.get(k, 0.0)) for p in parts)
-        return Sampled(np.concatenate([p.rows for p in parts]), [x for p in parts for x in p.prompts], ro,
-                       np.concatenate([p.scores for p in parts]), counts)
 
 
 def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer: Timer,
@@ -420,7 +367,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     keys = sorted({k for ks in dist.gather_objects(sorted(k for k in reward_counts if k.startswith("extra/")))
                    for k in ks})
     extras = {k: dist.gather_rows(reward_counts.get(k, np.full(len(scores), np.nan))) for k in keys}
-    metrics = rollout_metrics(ctx, state, step, g)
+    metrics = rollout_metrics(g, step, state.kl_coef, ctx.R)
     metrics.update(kl_metrics)
     metrics.update(batch_metrics)
     counts = g["reward_counts"].reshape(-1, 3).sum(0)
@@ -499,30 +446,6 @@ def _mean_metrics(items: list[dict[str, Any]], prefix: str) -> dict[str, float]:
 # ------------------------------------------------------------------ metrics
 
 
-def rollout_metrics(ctx: StepContext, state: PPOState, step: int, g: dict[str, np.ndarray]) -> dict[str, float]:
-    """The step's rollout / advantage metrics from every process's rows (`g`). The rollout-vs-trainer
-    mismatch compares the engine's log-probs with the trainer's under the same distribution: the one the
-    engine samples from (after top-k / top-p when they truncate)."""
-    rmask = g["rmask"]
-    m: dict[str, float] = {"actor/kl_coef": state.kl_coef, "training/global_step": float(step + 1)}
-    m.update(stats("critic/score", g["scores"]))
-    m.update(stats("critic/rewards", g["rewards"]))
-    m.update(stats("critic/advantages", g["adv"], rmask))
-    m.update(stats("critic/returns", g["ret"], rmask))
-    if "values" in g:
-        values, ret = g["values"], g["ret"]
-        m.update(stats("critic/values", values, rmask))
-        v = rmask > 0
-        var_ret = np.var(ret[v])
-        m["critic/vf_explained_var"] = float(1.0 - np.var(ret[v] - values[v]) / (var_ret + 1e-8))
-    m.update(stats("response_length", g["lengths"]))
-    m["response_length/clip_ratio"] = float(np.mean(g["lengths"] >= ctx.R))
-    m.update(stats("prompt_length", g["prompt_lengths"]))
-    m.update({k: float(v) for k, v in ppo.rollout_mismatch_metrics(g["sampling_lp"], g["rollout_lp"], rmask).items()})
-    m["perf/total_num_tokens"] = float(g["prompt_lengths"].sum() + g["lengths"].sum())
-    return m
-
-
 def perf_metrics(ctx: StepContext, times: dict[str, float], exp: Experience, peak_flops: float) -> dict[str, float]:
     """Throughput and MFU of the update phases: FLOPs as computed (causal attention over each sequence's own
     length, the vocabulary head over response tokens only), against `peak_flops` per device."""
@@ -541,5 +464,5 @@ def perf_metrics(ctx: StepContext, times: dict[str, float], exp: Experience, pea
     return m
 
 
-__all__ = ["Timer", "PPOState", "StepContext", "Experience", "awake", "generate", "decode", "sample", "collect", "update",
-           "score", "advantages", "rollout_metrics", "perf_metrics"]
+__all__ = ["Timer", "PPOState", "StepContext", "Experience", "awake", "decode", "sample", "collect", "update",
+           "score", "advantages", "perf_metrics"]

@@ -138,7 +138,7 @@ def validate(ctx: Any, actor_params: Any) -> dict[str, float]:
         return {}
     cfg = ctx.cfg
     sampling = val_sampling(cfg)
-    mine = np.array_split(np.arange(len(ds)), dist.process_count())[_process_index()]
+    mine = np.array_split(np.arange(len(ds)), dist.process_count())[dist.process_index()]
     records: list[dict[str, Any]] = []
     with awake(ctx, actor_params):
         for start in range(0, len(mine), cfg.data.val_batch_size):
@@ -176,12 +176,6 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _process_index() -> int:
-    import jax
-
-    return jax.process_index()
-
-
 # ------------------------------------------------------------------ trainer.val_only
 
 
@@ -197,8 +191,6 @@ class _EngineInputs:
 def validate_only(cfg: Any, engine_factory: Callable) -> tuple[int, dict[str, float], str]:
     """`trainer.val_only=true`: validate and log once. Returns (the step validated: the checkpoint's, else 0;
     the metrics; what was validated). No optimizer, critic or reference is built; no checkpoint is written."""
-    import jax
-
     from jaxppo.checkpoint import find_checkpoint, restore_actor
     from jaxppo.config import to_yaml
     from jaxppo.metrics import MetricsLogger
@@ -233,7 +225,7 @@ def validate_only(cfg: Any, engine_factory: Callable) -> tuple[int, dict[str, fl
     ctx = StepContext(cfg, None, None, engine, None, val_ds, tokenizer, DTYPES[push_dtype],
                       reward_fn=custom_reward.from_config(cfg))
     metrics = validate(ctx, params)
-    main = jax.process_index() == 0
+    main = dist.is_main()
     if main and not (run_dir / "config.yaml").exists():  # a training run's own config stays as it was
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     logger = MetricsLogger(run_dir, [s for s in t.logger if s != "console"] if main else [], total_steps=step,

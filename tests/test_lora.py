@@ -194,11 +194,12 @@ def lora_run(tmp_path_factory):
     resumed by the same command: (run dir, the resumed process's output)."""
     import signal
 
-    from tests.train_helpers import logged_step, run_train, start_train, wait_until
+    from tests.train_helpers import logged_step, run_train, seed_warm_start, shared_tmp, start_train, wait_until
 
     run = tmp_path_factory.mktemp("lora") / "run"
     common = [*LORA, "trainer.total_training_steps=20", "trainer.test_freq=10", "trainer.save_freq=10",
               "trainer.logger=[jsonl]"]
+    seed_warm_start(run, shared_tmp(tmp_path_factory), *common)  # the default's warm start (full fine-tuning)
     proc = start_train(run, *common)
     wait_until(lambda: (run / "checkpoints" / "10").is_dir() and logged_step(run, 12), proc, "step 12", 900)
     proc.send_signal(signal.SIGKILL)

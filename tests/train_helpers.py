@@ -99,3 +99,60 @@ def assert_resumed_at_checkpoint(run_dir: Path, output: str) -> int:
     steps = [r["step"] for r in all_records(run_dir)]
     assert step >= 1 and all(steps.count(s) == 1 for s in range(1, step + 1)), (step, steps)
     return step
+
+
+# ------------------------------------------------------------------ the embedded default's warm start, built once
+
+# what the warm start reads (jaxppo/warmstart.py, jaxppo/setup.py): the data, the model, the mesh, the actor's
+# micro-batching, the batch size (prompts x samples), the seed and the warm start's own settings
+_WARM_KEYS = ("data", "model", "mesh", "actor.ppo_micro_batch_size_per_device", "actor.logprob_chunk_size",
+              "actor.logprob_remat", "rollout.n", "trainer.seed", "trainer.sft_warmup_steps", "trainer.sft_lr")
+
+
+def warm_start_key(*overrides: str, config: str | Path | None = None) -> str:
+    import dataclasses
+    import hashlib
+
+    from jaxppo.config import load_config
+
+    cfg = load_config(config or ROOT / "configs" / "default.yaml", overrides)
+    parts = {}
+    for key in _WARM_KEYS:
+        node = cfg
+        for name in key.split("."):
+            node = getattr(node, name)
+        parts[key] = dataclasses.asdict(node) if dataclasses.is_dataclass(node) else node
+    for name in ("val_files", "synthetic_val_size", "val_batch_size"):  # validation only
+        parts["data"].pop(name)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def seed_warm_start(run_dir: Path, cache_root: Path, *overrides: str, config: str | Path | None = None) -> None:
+    """Put the embedded default's warm-start model for `overrides` into `run_dir/warm_model`, where the trainer
+    takes it instead of warming up again (jaxppo/trainer.py). The warm start itself runs once per test run for
+    each setting that it reads (`_WARM_KEYS`), in `python -m jaxppo.train`, under a file lock shared by the
+    pytest-xdist workers; it is deterministic on one machine, so every test gets the model it would have
+    trained. The learning tests then measure the PPO phase, as their first validation (step 0) always did."""
+    import shutil
+
+    from filelock import FileLock
+
+    key = warm_start_key(*overrides, config=config)
+    cache = Path(cache_root) / f"warm_{key}"
+    with FileLock(str(cache) + ".lock"):
+        if not (cache / "warm_model" / "config.json").is_file():
+            shutil.rmtree(cache, ignore_errors=True)
+            run_train(cache, *overrides, "trainer.total_training_steps=1", "trainer.val_before_train=false",
+                      "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]", timeout=900,
+                      config=config)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    shutil.copytree(cache / "warm_model", Path(run_dir) / "warm_model")
+
+
+def shared_tmp(tmp_path_factory) -> Path:
+    """A directory shared by this test run's pytest-xdist workers (and by nothing else)."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent / f"shared_{uid}" if uid else base / "shared"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
