@@ -143,14 +143,14 @@ def test_each_torchrun_or_slurm_rank_gets_its_own_gpu_first():
 def test_mesh_sweep_prints_one_row_per_mesh(tmp_path):
     out = tmp_path / "sweep.json"
     res = subprocess.run([sys.executable, "scripts/mesh_sweep.py", "--model", "tiny", "--meshes",
-                          "single;tensor=2;fsdp=2,gather=update", "--batch", "4", "--seq", "16", "--steps", "1",
+                          "single;fsdp=2,gather=update", "--batch", "4", "--seq", "16", "--steps", "1",
                           "--json-out", str(out)], cwd=ROOT, env=_env(2), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     import json
 
     rows = json.loads(out.read_text())
-    assert [r["mesh"] for r in rows] == ["single", "tensor=2", "fsdp=2,gather=update"]
-    assert [r["devices"] for r in rows] == [1, 2, 2]
+    assert [r["mesh"] for r in rows] == ["single", "fsdp=2,gather=update"]
+    assert [r["devices"] for r in rows] == [1, 2]
     for r in rows:
         assert r["step_s"] > 0 and r["update_tokens_per_s"] > 0 and 0 < r["mfu_actor"] < 1
     assert "vs 1 dev" in res.stdout

@@ -1,7 +1,7 @@
 """The embedded defaults learn: validation rises from the first measurement (step 0, taken after the warm
 start). PPO (configs/default.yaml): the full run ends at 2.9x its first score, here half of its steps must lift
-it by half (the full CPU run: 0.19 -> 0.43 at step 40). GRPO (configs/default_grpo.yaml, no critic): its whole
-run, which takes less time than PPO's, must lift it by half. The warm start is built once per test run
+it by half (the full CPU run: 0.27 -> 0.46 at step 40). GRPO (configs/default_grpo.yaml, no critic; its whole run
+takes less time than PPO's): three quarters of its steps must lift it by half. The warm start is built once per test run
 (`seed_warm_start`): both configs and the LoRA test share it."""
 
 import pytest
@@ -32,6 +32,8 @@ def test_default_learns_in_half_its_steps(tmp_path_factory):
 def test_grpo_default_learns(tmp_path_factory):
     cfg = load_config(ROOT / "configs" / "default_grpo.yaml")
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n >= 4
-    first, last = learns(tmp_path_factory, "default_grpo.yaml", cfg.trainer.total_training_steps)
+    # the first three quarters of its run (constant lr after the warm-up: the same steps as the whole run's;
+    # the whole run: 0.27 -> 0.47 at step 60 -> 0.59 at 80)
+    first, last = learns(tmp_path_factory, "default_grpo.yaml", cfg.trainer.total_training_steps * 3 // 4)
     assert first > 0.1, first
     assert last >= 1.5 * first and last >= first + 0.1, (first, last)

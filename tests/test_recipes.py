@@ -54,7 +54,10 @@ def test_the_grpo_recipes_differ_in_the_model_only():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_runs_three_steps_on_the_embedded_task(name, tmp_path):
-    extra = ["data.gen_batch_size=16", "reward.overlong_buffer.len=4"] if name == "dapo" else []
+    # DAPO: the tiny model's answers all score 0 this early, so each round drops every group; two rounds a step,
+    # then the batch is filled (the refill itself is the next test's)
+    extra = (["data.gen_batch_size=16", "reward.overlong_buffer.len=4", "algorithm.filter_groups.max_num_gen_batches=2"]
+             if name == "dapo" else [])
     run_train(tmp_path / "run", *ON_EMBEDDED_TASK, "trainer.total_training_steps=3", *extra,
               config=CONFIGS / RECIPES[name])
     m = read_metrics(tmp_path / "run")
@@ -63,7 +66,7 @@ def test_recipe_runs_three_steps_on_the_embedded_task(name, tmp_path):
         assert np.isfinite(m[step]["actor/pg_loss"]) and not any(k.startswith("critic/vf") for k in m[step])
         assert ("actor/kl_loss" in m[step]) == (name == "grpo")
     if name == "dapo":
-        assert m[3]["batch/num_gen_batches"] >= 1 and "reward/extra/overlong/mean" in m[3]
+        assert 1 <= m[3]["batch/num_gen_batches"] <= 2 and "reward/extra/overlong/mean" in m[3]
 
 
 @pytest.mark.slow

@@ -120,6 +120,8 @@ def test_val_only_validates_the_newest_checkpoint_and_writes_none(tmp_path):
     digest = "val-aux/synthetic/arithmetic/digest/mean@2"
     run_train(run, *common, "trainer.total_training_steps=2", "trainer.save_freq=2")
     m = read_metrics(run)
+    for step in (1, 2):  # trained with the user's function: its score (the CRC's parity) and its extra entry
+        assert 0 <= m[step]["critic/score/mean"] <= 1 and 0 <= m[step]["reward/extra/digest/mean"] < 1000
     assert m[0][digest] != m[2][digest]  # training moved the responses
     assert "val-core/synthetic/arithmetic/reward/best@2/mean" in m[2]
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())

@@ -7,7 +7,7 @@ import pytest
 from jaxppo.errors import ConfigError
 from jaxppo.rewards import score_batch
 from jaxppo.rewards.custom import FileRewardFn
-from tests.train_helpers import FAST, ROOT, read_metrics, run_train
+from tests.train_helpers import ROOT
 
 USER = ROOT / "tests" / "rewards" / "user_reward.py"
 
@@ -47,14 +47,5 @@ def test_a_missing_file_or_function_is_a_config_error(tmp_path):
         FileRewardFn(bad)
 
 
-@pytest.mark.slow
-def test_training_with_the_users_function(tmp_path):
-    run = tmp_path / "run"
-    run_train(run, *FAST, "trainer.total_training_steps=2", "trainer.test_freq=2",
-              f"custom_reward_function.path={USER}", "custom_reward_function.name=compute_score")
-    m = read_metrics(run)
-    for step in (1, 2):
-        assert m[step]["reward/extra/length/mean"] > 0 and 0 <= m[step]["reward/extra/formatted/mean"] <= 1
-        # every score the function can give is 0, 0.1 or 1: so is the batch mean's support
-        assert 0 <= m[step]["critic/score/mean"] <= 1
-    assert "val/score" in m[2]
+# training with a user's function through `python -m jaxppo.train`: tests/test_validation.py (its val_only test
+# trains with `digest` from this file first)
