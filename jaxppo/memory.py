@@ -2,24 +2,35 @@
 budgets that fit — estimated from the model's shape before anything is allocated (docs/memory.md).
 
 The split: vLLM takes `rollout.gpu_memory_utilization` (u) of the card for weights + KV cache and checks at
-start that it is free; JAX is capped at 1 - u - MARGIN (`XLA_PYTHON_CLIENT_MEM_FRACTION`, allocated on demand,
-`XLA_PYTHON_CLIENT_PREALLOCATE=false`), so the two never compete whatever order they grow in. vLLM sleeps
+start that it is free; JAX takes 1 - u - MARGIN of it as one allocation at start
+(`XLA_PYTHON_CLIENT_PREALLOCATE=true`, `XLA_PYTHON_CLIENT_MEM_FRACTION`), so the two never compete. vLLM sleeps
 while JAX trains (KV cache freed, weights dropped: level 2) and wakes for generation. The variables must be
 set before JAX initialises its GPU backend, which is why `jaxppo.train` applies the plan first.
+
+Why JAX preallocates: grown on demand, XLA's BFC allocator adds regions of doubling size (2 MiB, 4 MiB, ...,
+32 GiB) and never returns them; an executable's temporaries are one contiguous buffer. On the H200 the 1.5B
+PPO run's states (37.4 GiB) had grown the pool to 64 GiB of regions by the first update, and the critic
+update's 49.5 GiB (budget 12288) or 56.0 GiB (16384) temporary then fit neither a free chunk of those
+regions nor the 40.9 GiB left to grow into: out of memory with 67 GiB of the limit unused (2026-12-01,
+docs/benchmarks.md "PPO step"). One region of the whole limit has no such ceiling.
 
 What JAX holds, per device (sharded states divided by mesh.fsdp x mesh.tensor):
   actor        fp32 master weights + AdamW's two moments (12 bytes per parameter)
   critic       the same for the value model (no vocabulary head)
   reference    the reference policy in the compute dtype (2 bytes per parameter in bf16)
-  gradients    the larger of the two models' fp32 gradients (one update runs at a time)
+  update       an update's gradients and optimizer temporaries: UPDATE_PER_PARAM x the trained parameters'
+               fp32 bytes, for the larger of the two models (one update runs at a time)
   activations  per token of a micro-batch, by remat policy, plus the vocabulary head's logits
   overhead     CUDA context, cuDNN / cuBLAS workspaces, batch buffers
-Activation bytes per token are empirical: per decoder layer, `ACT_PER_LAYER[remat]` hidden-sized vectors of
-the compute dtype, fitted to what XLA asked for on the H200 (jax 0.11.2) with packed rows and unrolled layers:
-the 1.5B critic update with dots_attn asked 71.3 GiB at ~23.5k tokens per row (2.8 MB per token beside its
-gradients: 33 vectors), the 0.5B step peaked at 51.7 GiB with ~24.5k-token rows (34 vectors); with full
-remat the 1.5B critic asked 30.9 GiB at ~24.5k tokens (12 vectors). Short padded rows hold about half of
-that per token (1.87 MB at 1.5B, 8 x 1024 tokens, dots_attn unrolled): the estimate is an upper bound there.
+An update's temporaries are empirical, fitted as an upper bound to what XLA asked for on the H200 (jax 0.11.2,
+packed rows, unrolled layers, dots_attn): the 1.5B critic update asked 49.45 GiB at a 12288-token budget,
+56.03 GiB at 16384, 71.26 GiB at 23552 and 74.21 GiB at 32768 (rows of ~24.5k tokens) — about 26 GiB that
+does not grow with the budget (UPDATE_PER_PARAM = 4.5 x its 5.75 GiB of fp32 parameters) plus 25
+hidden-sized bf16 vectors per token per decoder layer (plan: 50.5, 58.7, 73.1, 75.1 GiB); the 0.5B step
+(budgets 32768) peaked at 51.8 GiB, 11.9 GiB of it states (plan: 53.0). With full remat the 1.5B critic
+asked 30.9 GiB at ~24.5k tokens (3 vectors beside the same constant). `dots` and `none` are scaled from
+dots_attn by the residuals they keep (not measured). Rows shorter than the budget hold less: an upper bound.
+tests/test_memory_plan.py checks the plan against these requests as the ledger records them.
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ from jaxppo.models.config import ModelConfig
 MARGIN = 0.05  # CUDA context, cuBLAS / cuDNN workspaces, NCCL buffers, fragmentation
 GiB = 2**30
 OVERHEAD_BYTES = 2 * GiB  # per device, besides the components below
-ACT_PER_LAYER = {"full": 13.0, "dots": 35.0, "dots_attn": 36.0, "none": 50.0}  # hidden-sized vectors per token per layer
+ACT_PER_LAYER = {"full": 3.0, "dots": 24.5, "dots_attn": 25.0, "none": 35.0}  # hidden-sized vectors per token per layer
+UPDATE_PER_PARAM = 4.5  # an update's gradients + optimizer temporaries, per fp32 byte of the trained parameters
 FORWARD_PER_TOKEN = 25.0  # hidden-sized vectors per token of a forward-only pass (one layer's transients)
 HEAD_TEMPS = 3  # float32 [tokens, vocab] temporaries of a head chunk: logits, softmax, cotangent
 AUTO_MAX_BUDGET = 32768  # the largest token budget chosen automatically (per device per micro-batch)
@@ -50,7 +62,7 @@ def plan(gpu_memory_utilization: float) -> dict[str, str]:
     if not 0.0 < gpu_memory_utilization < 1.0 - MARGIN:
         raise ValueError(f"rollout.gpu_memory_utilization must be in (0, {1 - MARGIN}), got {gpu_memory_utilization}")
     jax_share = 1.0 - gpu_memory_utilization - MARGIN
-    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{jax_share:.3f}"}
+    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{jax_share:.3f}"}
 
 
 def apply(gpu_memory_utilization: float) -> dict[str, str]:
@@ -205,26 +217,33 @@ def vllm_needs(cfg: Any, model: ModelConfig) -> float:
     return model.num_params() * s + kv_per_token * seqs * (d.max_prompt_length + d.max_response_length) + 1.5 * GiB
 
 
+def phases(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int,
+           budgets: TokenBudgets) -> dict[str, dict[str, float]]:
+    """What each phase of a step holds beside the run's states, per device: {phase: {component: bytes}}."""
+    out = {}
+    a, c = cfg.actor, cfg.critic
+    t_actor, t_critic = trainable_params(cfg, actor, critic)
+    t, r = _phase_tokens(cfg, a, budgets.actor_forward, a.log_prob_micro_batch_size_per_device)
+    out["actor forward"] = {"activations (actor forward)": activation_bytes(cfg, actor, t, r, False, True)}
+    t, r = _phase_tokens(cfg, a, budgets.actor_update, a.ppo_micro_batch_size_per_device)
+    out["actor update"] = {"update temporaries (actor)": UPDATE_PER_PARAM * t_actor / shards,
+                           "activations (actor update)": activation_bytes(cfg, actor, t, r, True, True)}
+    if critic is not None:
+        t, r = _phase_tokens(cfg, c, budgets.critic_forward, c.log_prob_micro_batch_size_per_device)
+        out["critic forward"] = {"activations (critic forward)": activation_bytes(cfg, critic, t, r, False, False)}
+        t, r = _phase_tokens(cfg, c, budgets.critic_update, c.ppo_micro_batch_size_per_device)
+        out["critic update"] = {"update temporaries (critic)": UPDATE_PER_PARAM * t_critic / shards,
+                                "activations (critic update)": activation_bytes(cfg, critic, t, r, True, False)}
+    return out
+
+
 def estimate(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int, card: float | None,
              budgets: TokenBudgets) -> MemoryEstimate:
     """JAX's peak per device over the step's phases (forward passes, critic update, actor update)."""
     fixed = state_bytes(cfg, actor, critic, shards)
-    phases = {}
-    a, c = cfg.actor, cfg.critic
-    t, r = _phase_tokens(cfg, a, budgets.actor_forward, a.log_prob_micro_batch_size_per_device)
-    phases["actor forward"] = {"activations (actor forward)": activation_bytes(cfg, actor, t, r, False, True)}
-    t, r = _phase_tokens(cfg, a, budgets.actor_update, a.ppo_micro_batch_size_per_device)
-    t_actor, t_critic = trainable_params(cfg, actor, critic)
-    phases["actor update"] = {"gradients (actor)": t_actor / shards,
-                              "activations (actor update)": activation_bytes(cfg, actor, t, r, True, True)}
-    if critic is not None:
-        t, r = _phase_tokens(cfg, c, budgets.critic_forward, c.log_prob_micro_batch_size_per_device)
-        phases["critic forward"] = {"activations (critic forward)": activation_bytes(cfg, critic, t, r, False, False)}
-        t, r = _phase_tokens(cfg, c, budgets.critic_update, c.ppo_micro_batch_size_per_device)
-        phases["critic update"] = {"gradients (critic)": t_critic / shards,
-                                   "activations (critic update)": activation_bytes(cfg, critic, t, r, True, False)}
-    peak = max(phases, key=lambda k: sum(phases[k].values()))
-    comps = dict(fixed, **phases[peak], overhead=float(OVERHEAD_BYTES))
+    phases_ = phases(cfg, actor, critic, shards, budgets)
+    peak = max(phases_, key=lambda k: sum(phases_[k].values()))
+    comps = dict(fixed, **phases_[peak], overhead=float(OVERHEAD_BYTES))
     u = cfg.rollout.gpu_memory_utilization
     vllm = cfg.rollout.engine == "vllm"
     limit = None
@@ -243,7 +262,7 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     fixed = sum(state_bytes(cfg, actor, critic, shards).values()) + OVERHEAD_BYTES
     t_actor, t_critic = trainable_params(cfg, actor, critic or actor)
-    trainable = {True: t_actor, False: t_critic}  # keyed by lm_head: the actor's phases have it
+    trainable = {True: UPDATE_PER_PARAM * t_actor, False: UPDATE_PER_PARAM * t_critic}  # keyed by lm_head: the actor's phases have it
     limit = None
     if card is not None:
         u = cfg.rollout.gpu_memory_utilization if cfg.rollout.engine == "vllm" else 1.0 - jax_fraction() - MARGIN
@@ -261,11 +280,12 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
                 best = budget
         return max(best, seq)  # at least one sequence: if even that does not fit, the estimate says so
 
-    critic_model = critic or actor
+    no_critic = critic is None  # critic-free estimators: no critic phases, budgets 0
     return TokenBudgets(actor_update=pick(a.ppo_max_token_len_per_device, actor, True, True),
                         actor_forward=pick(a.log_prob_max_token_len_per_device, actor, False, True),
-                        critic_update=pick(c.ppo_max_token_len_per_device, critic_model, True, False),
-                        critic_forward=pick(c.forward_max_token_len_per_device, critic_model, False, False))
+                        critic_update=0 if no_critic else pick(c.ppo_max_token_len_per_device, critic, True, False),
+                        critic_forward=0 if no_critic else pick(c.forward_max_token_len_per_device, critic, False,
+                                                                False))
 
 
 def check(cfg: Any, est: MemoryEstimate, budgets: TokenBudgets) -> None:
@@ -347,5 +367,5 @@ def describe(gpu_memory_utilization: float, jax_limit_bytes: int | None) -> str:
         gb = total_bytes / GiB
         return (f"GPU memory plan: {gb:.0f} GiB card; vLLM {gpu_memory_utilization:.2f} = "
                 f"{gb * gpu_memory_utilization:.1f} GiB (weights + KV cache, asleep during training); "
-                f"JAX up to {jax_frac:.2f} = {gb * jax_frac:.1f} GiB (on demand)")
+                f"JAX {jax_frac:.2f} = {gb * jax_frac:.1f} GiB (one allocation at start)")
     return f"GPU memory plan: vLLM {gpu_memory_utilization:.2f} of the card, JAX up to {jax_frac:.2f}"
