@@ -33,7 +33,7 @@ def check_row(row: dict, bench: str) -> None:
 
 @pytest.mark.slow
 def test_bench_ppo_step_on_a_committed_config(tmp_path):
-    engine = "vllm" if _has_vllm() else "hf"
+    engine = "hf"  # the script's plumbing; the vLLM engine's own tests are tests/bridge/test_vllm_engine.py
     led = tmp_path / "results.jsonl"
     out = tmp_path / "step.json"
     res = run_script("bench_ppo_step.py", "--config", "configs/gsm8k_qwen2.5_0.5b.yaml", "--shape", "tiny", "--steps",
@@ -113,10 +113,3 @@ def test_ledger_rows_need_their_provenance(tmp_path):
     with pytest.raises(ValueError, match="lacks"):
         ledger.append({"bench": "update", "figures": {}}, tmp_path / "r.jsonl")
 
-
-def _has_vllm() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True

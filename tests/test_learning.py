@@ -1,6 +1,6 @@
 """The embedded defaults learn: validation rises from the first measurement (step 0, taken after the warm
-start). PPO (configs/default.yaml): the full run ends at 2.9x its first score, here half of its steps must lift
-it by half (the full CPU run: 0.27 -> 0.46 at step 40). GRPO (configs/default_grpo.yaml, no critic; its whole run
+start). PPO (configs/default.yaml, constant lr after a 20-step warm-up): its first quarter must lift the score by
+0.1 (the full CPU run: 0.27 -> 0.41 at step 20 -> 0.66 at 80). GRPO (configs/default_grpo.yaml, no critic; its whole run
 takes less time than PPO's): three quarters of its steps must lift it by half. The warm start is built once per test run
 (`seed_warm_start`): both configs and the LoRA test share it."""
 
@@ -21,11 +21,11 @@ def learns(tmp_path_factory, config: str, steps: int) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_default_learns_in_half_its_steps(tmp_path_factory):
-    steps = load_config(ROOT / "configs" / "default.yaml").trainer.total_training_steps // 2
+def test_default_learns_in_a_quarter_of_its_steps(tmp_path_factory):
+    steps = load_config(ROOT / "configs" / "default.yaml").trainer.total_training_steps // 4
     first, last = learns(tmp_path_factory, "default.yaml", steps)
     assert first > 0.1, first  # the warm start taught the answer format
-    assert last >= 1.5 * first and last >= first + 0.1, (first, last)
+    assert last >= first + 0.1, (first, last)  # 256 validation prompts: 26 more answered right
 
 
 @pytest.mark.slow
