@@ -262,7 +262,8 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     fixed = sum(state_bytes(cfg, actor, critic, shards).values()) + OVERHEAD_BYTES
     t_actor, t_critic = trainable_params(cfg, actor, critic or actor)
-    trainable = {True: UPDATE_PER_PARAM * t_actor, False: UPDATE_PER_PARAM * t_critic}  # keyed by lm_head: the actor's phases have it
+    # an update's temporaries, keyed by lm_head (the actor's phases have it)
+    update_temps = {True: UPDATE_PER_PARAM * t_actor, False: UPDATE_PER_PARAM * t_critic}
     limit = None
     if card is not None:
         u = cfg.rollout.gpu_memory_utilization if cfg.rollout.engine == "vllm" else 1.0 - jax_fraction() - MARGIN
@@ -273,7 +274,7 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
             return given
         if limit is None:
             return AUTO_MAX_BUDGET // 2
-        grads = trainable[lm_head] / shards if training else 0.0
+        grads = update_temps[lm_head] / shards if training else 0.0
         best = 0
         for budget in range(1024, AUTO_MAX_BUDGET + 1, 1024):
             if fixed + grads + activation_bytes(cfg, model, budget, 1, training, lm_head) <= AUTO_HEADROOM * limit:

@@ -4,13 +4,13 @@ upper bound of every recorded request and peak (else a planned run can run out o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from scripts import ledger
+
 ROOT = Path(__file__).resolve().parents[1]
-LEDGER = ROOT / "docs" / "benchmarks" / "results.jsonl"
 H200_GB = 139.8  # what the H200 reports (memory_stats bytes_limit / fraction)
 BUDGET_KEYS = {"actor_update": "actor.ppo_max_token_len_per_device",
                "actor_forward": "actor.log_prob_max_token_len_per_device",
@@ -19,8 +19,7 @@ BUDGET_KEYS = {"actor_update": "actor.ppo_max_token_len_per_device",
 
 
 def ledger_rows(bench: str) -> list[dict]:
-    rows = [json.loads(line) for line in LEDGER.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["bench"] == bench]
+    return [r for r in ledger.read() if r["bench"] == bench]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +31,7 @@ def shape_dir(tmp_path_factory):
 
 
 def plan(shape_dir, row: dict, extra: list[str]):
+    """(the memory estimate, each phase's bytes) of a ledger row's config on the H200, with `extra` overrides."""
     from jaxppo import memory
     from jaxppo.config import load_config, uses_critic
     from jaxppo.models.config import load_config as load_model_config
@@ -42,7 +42,7 @@ def plan(shape_dir, row: dict, extra: list[str]):
     est, budgets = memory.plan_for_config(cfg, 1)
     model = load_model_config(cfg.model.path)[0]
     critic = model if uses_critic(cfg) else None
-    return cfg, est, budgets, memory.phases(cfg, model, critic, 1, budgets)
+    return est, memory.phases(cfg, model, critic, 1, budgets)
 
 
 def test_jax_takes_its_share_of_the_card_in_one_allocation():
@@ -63,7 +63,7 @@ def test_the_plan_bounds_every_request_xla_made(shape_dir):
     for row, q in requests:
         key = BUDGET_KEYS[q["phase"].replace(" ", "_")]
         tokens = q.get("row_tokens", q["budget"])  # the plan assumes rows as long as the budget
-        _, _, budgets, phases = plan(shape_dir, row, [f"{key}={tokens}"])
+        _, phases = plan(shape_dir, row, [f"{key}={tokens}"])
         planned = sum(phases[q["phase"]].values()) / 2**30
         assert q["gib"] <= planned <= 1.1 * q["gib"], (q, planned)
 
@@ -79,7 +79,7 @@ def test_the_plan_bounds_the_peaks_measured_through_the_trainer(shape_dir):
         has_critic = "perf/mfu/critic" in row["figures"]  # critic-free runs' critic budgets are not config keys
         given = [f"{BUDGET_KEYS[k]}={v}" for k, v in row["token_budgets"].items()
                  if v and (has_critic or k.startswith("actor"))]
-        _, est, _, _ = plan(shape_dir, row, given)
+        est, _ = plan(shape_dir, row, given)
         planned = (est.total - memory.OVERHEAD_BYTES) / 2**30
         measured = row["figures"]["memory/jax_peak_gb"]
         assert measured <= planned, (row["config"], row["commit"], measured, planned)
