@@ -145,6 +145,9 @@ class RolloutConfig:
     enforce_eager: bool = False  # vLLM: no CUDA graphs
     cudagraph_mode: Optional[str] = None  # vLLM's compilation_config.cudagraph_mode (e.g. PIECEWISE); None: vLLM's
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
+    # the engine's log-prob of every sampled token on every step (verl's key; actor.tis_threshold turns it on).
+    # Off: on every 8th step only, for the rollout/* mismatch metrics and the health rule (jaxppo/step.py)
+    calculate_log_probs: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,12 @@ def rollout_metrics(g: dict[str, np.ndarray], step: int, kl_coef: float, max_res
     m.update(stats("response_length", g["lengths"]))
     m["response_length/clip_ratio"] = float(np.mean(g["lengths"] >= max_response_length))
     m.update(stats("prompt_length", g["prompt_lengths"]))
-    m.update({k: float(v) for k, v in rollout_mismatch_metrics(g["sampling_lp"], g["rollout_lp"], rmask).items()})
+    # over the samples the engine returned log-probs for (rollout.calculate_log_probs; else every 8th prompt's)
+    rollout_lp = g["rollout_lp"]
+    known = rmask * np.isfinite(rollout_lp)
+    if known.any():
+        m.update({k: float(v) for k, v in rollout_mismatch_metrics(
+            g["sampling_lp"], np.nan_to_num(rollout_lp, nan=0.0), known).items()})
     m["perf/total_num_tokens"] = float(g["prompt_lengths"].sum() + g["lengths"].sum())
     return m
 

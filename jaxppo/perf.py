@@ -95,3 +95,37 @@ def measure_matmul_peak(n: int | None = None, dtype=None, reps: int = 5) -> floa
         out = f(a)
     out.block_until_ready()
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+
+class GCClock:
+    """Wall time this process spends in Python's cyclic garbage collector (`gc.callbacks`), and collections
+    by generation: `perf/gc_s` per step. A full collection walks every tracked object (the trainer's,
+    JAX's, torch's and the engine's), so pauses inside generation show up as step-to-step noise there.
+    One per process (`gc_clock()`)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections[info["generation"]] += 1
+
+
+_GC_CLOCK: GCClock | None = None
+
+
+def gc_clock() -> GCClock:
+    """The process's GCClock, installed in `gc.callbacks` on first use."""
+    import gc
+
+    global _GC_CLOCK
+    if _GC_CLOCK is None:
+        _GC_CLOCK = GCClock()
+        gc.callbacks.append(_GC_CLOCK)
+    return _GC_CLOCK

@@ -126,6 +126,25 @@ class Experience:
 # ------------------------------------------------------------------ the rollout engine
 
 
+# without rollout.calculate_log_probs the engine returns log-probs on every 8th step (the first included), for
+# every sample: the rollout/* mismatch metrics and the health rule see a broken weight sync on step 0 and every
+# 8th after it. In vLLM the log-probs cost on every decode step once any request of the batch asks for them (a
+# batch tensor to host, a Python object per token), and a small model's generation is bound by that CPU work
+# (docs/benchmarks.md, "PPO step": generation with and without them)
+MISMATCH_EVERY = 8
+
+
+def rollout_sampling(cfg: Config, seed: int | None, step: int) -> Sampling:
+    """The training rollouts' sampling at `step`: rollout.n / temperature / top_p / top_k,
+    data.max_response_length; the engine's log-probs always when something trains on them
+    (rollout.calculate_log_probs, actor.tis_threshold), else on every MISMATCH_EVERY-th step."""
+    r = cfg.rollout
+    always = r.calculate_log_probs or cfg.actor.tis_threshold is not None
+    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    max_tokens=cfg.data.max_response_length, seed=seed,
+                    logprobs_every=1 if always or step % MISMATCH_EVERY == 0 else 0)
+
+
 @contextlib.contextmanager
 def awake(ctx: StepContext, actor_params: Any, timer: Timer | None = None):
     """The rollout engine woken with the actor's current weights pushed in (every wake: a sleeping vLLM may
@@ -256,8 +275,7 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
             mine = rows[dist.share(len(rows), "prompts of a generation round")]
             prompts = [ctx.train_ds.input_ids[i] for i in mine]
             # round 0 samples as a run without filtering does; later rounds with other seeds
-            sampling = Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=ctx.R,
-                                seed=cfg.trainer.seed * 1_000_003 + step + 7_919 * rounds)
+            sampling = rollout_sampling(cfg, cfg.trainer.seed * 1_000_003 + step + 7_919 * rounds, step)
             with timer("gen"):
                 ro = ctx.engine.generate([p.tolist() for p in prompts], sampling)
             interrupt()

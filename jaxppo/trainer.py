@@ -5,6 +5,7 @@ signals, profiling, health decisions and early stopping. The step itself (rollou
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from jaxppo.models.config import load_config as load_model_config
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, zeros_like_adapters
 from jaxppo.rewards import custom as custom_reward
-from jaxppo.perf import device_peak_flops, flops_model
+from jaxppo.perf import device_peak_flops, flops_model, gc_clock
 from jaxppo.rollout import RolloutEngine
 from jaxppo.setup import DTYPES, attention_impl, engine_dtype, prepare_data, prepare_model_dir
 from jaxppo.sharding import make_mesh
@@ -168,6 +169,12 @@ class PPOTrainer:
         self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", t.max_to_keep)
         self._maybe_resume()
         self.peak_flops, peak_source = device_peak_flops()
+        # what setup built (modules, the engine, datasets, states' Python objects) lives for the run: frozen out
+        # of the collector's walks (as vLLM's engine does with its own), so a full collection during a step walks
+        # only what the step allocates
+        gc.collect()
+        gc.freeze()
+        self.gc_clock = gc_clock()
         log.info("run dir %s: %d train prompts, %d steps, %d sequences per step; MFU against %.4g TFLOP/s per device "
                  "(%s)", self.run_dir, len(train_ds), self.total_steps, cfg.data.train_batch_size * cfg.rollout.n,
                  self.peak_flops / 1e12, peak_source)
@@ -263,6 +270,7 @@ class PPOTrainer:
         updates begin the step completes. The health monitor's pre-update rules may skip the updates."""
         timer = Timer(torch_regions=self._profiling)
         sampler_start = self.sampler.state()
+        gc_s, gc_full = self.gc_clock.seconds, self.gc_clock.collections[2]
         try:
             with timer("step"):
                 rows = self.sampler.next_batch()
@@ -283,6 +291,8 @@ class PPOTrainer:
         metrics["training/epoch"] = float(self.sampler.state()["epoch"])
         metrics.update(ppo_step.perf_metrics(self.ctx, timer.times, exp, self.peak_flops))
         metrics["health/skipped_steps"] = float(skip)
+        metrics["perf/gc_s"] = self.gc_clock.seconds - gc_s
+        metrics["perf/gc_full_collections"] = float(self.gc_clock.collections[2] - gc_full)
         return metrics
 
     def held_memory(self) -> dict[str, int]:

@@ -120,12 +120,14 @@ def metric_names(summary: dict[str, dict[str, dict[str, float]]]) -> dict[str, f
 
 
 def val_sampling(cfg: Any) -> Sampling:
-    """`rollout.val_kwargs` as the engines' Sampling (greedy unless do_sample)."""
+    """`rollout.val_kwargs` as the engines' Sampling (greedy unless do_sample; no log-probs: validation scores
+    answers only)."""
     v = cfg.rollout.val_kwargs
     if not v.do_sample:
-        return Sampling(n=v.n, temperature=0.0, max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed)
+        return Sampling(n=v.n, temperature=0.0, max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed,
+                        logprobs_every=0)
     return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
-                    max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed)
+                    max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed, logprobs_every=0)
 
 
 def validate(ctx: Any, actor_params: Any) -> dict[str, float]:

@@ -19,6 +19,7 @@ and the standalone generation are per process, and process 0 prints and records 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
@@ -179,26 +180,31 @@ def main(argv=None) -> int:
     if not args.no_standalone:
         # standalone vLLM generation: same prompts and lengths, engine awake, nothing else running
         from jaxppo import distributed as dist
-        from jaxppo.rollout import Sampling
+        from jaxppo.step import rollout_sampling
 
         rows = np.arange(n_prompts)[dist.share(n_prompts, "prompts")]  # this process's share, as in the loop
         prompts = [trainer.train_ds.input_ids[i].tolist() for i in rows]
-        sampling = Sampling(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
-                            max_tokens=cfg.data.max_response_length, seed=1)
+        sampling = rollout_sampling(cfg, 1, step=1)  # the loop's on 7 steps of 8 (jaxppo/step.py)
         engine.wake()
         trainer.sync_weights()
         engine.generate(prompts[:8], sampling)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            ro = engine.generate(prompts, sampling)
-            times.append(time.perf_counter() - t0)
-            tokens = float(ro.response_mask.sum())
-        standalone_tps = tokens / median(times)
+
+        def tokens_per_s(sampling) -> float:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                ro = engine.generate(prompts, sampling)
+                times.append(time.perf_counter() - t0)
+            return float(ro.response_mask.sum()) / median(times)
+
+        standalone_tps = tokens_per_s(sampling)
         # the loop's generation throughput per replica, comparable with this replica's standalone figure
         in_loop_tps = median([s["gen_tokens"] / s["timing_s/gen"] for s in keep])
         summary.update(gen_in_loop_tokens_per_s=in_loop_tps, gen_standalone_tokens_per_s=standalone_tps,
                        gen_in_loop_over_standalone=in_loop_tps / standalone_tps)
+        if sampling.logprobs_every != 1:  # what the engine's log-probs for every sample would cost
+            every = dataclasses.replace(sampling, logprobs_every=1)
+            summary["gen_standalone_all_logprobs_tokens_per_s"] = tokens_per_s(every)
     summary["device"] = ledger.device()
     summary["versions"] = ledger.versions()
     if rank != 0:
@@ -208,7 +214,8 @@ def main(argv=None) -> int:
           f"median of steps 3..{args.steps}")
     for k in sorted(k for k in med if k.startswith("timing_s/")):
         print(f"  {k:28} {med[k]:8.3f}")
-    for k in ("perf/throughput", "perf/mfu/actor", "perf/mfu/critic", "memory/device_used_gb", "memory/jax_peak_gb"):
+    for k in ("perf/throughput", "perf/mfu/actor", "perf/mfu/critic", "perf/gc_s", "perf/gc_full_collections",
+              "memory/device_used_gb", "memory/jax_peak_gb"):
         if k in med:
             print(f"  {k:28} {med[k]:8.3f}")
     print(f"  memory estimate {summary['memory_estimate_gb']:.1f} GiB; perf/compiles {compiles} "
@@ -218,14 +225,16 @@ def main(argv=None) -> int:
     print(f"  start: {json.dumps(start)}")
     if "gen_in_loop_over_standalone" in summary:
         print(f"  generation in loop {summary['gen_in_loop_tokens_per_s']:.0f} tok/s, standalone "
-              f"{summary['gen_standalone_tokens_per_s']:.0f} tok/s, ratio {summary['gen_in_loop_over_standalone']:.3f}")
+              f"{summary['gen_standalone_tokens_per_s']:.0f} tok/s, ratio {summary['gen_in_loop_over_standalone']:.3f}"
+              + (f"; standalone with every sample's log-probs {summary['gen_standalone_all_logprobs_tokens_per_s']:.0f}"
+                 " tok/s" if "gen_standalone_all_logprobs_tokens_per_s" in summary else ""))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"summary": summary, "steps": steps}, indent=2))
     if not args.no_ledger:
         figures = {"step_s": med["timing_s/step"], **{k: v for k, v in med.items() if k.startswith(("timing_s/",
-                   "perf/mfu", "perf/throughput", "memory/"))}}
+                   "perf/mfu", "perf/throughput", "perf/gc", "memory/"))}}
         for k in ("gen_in_loop_over_standalone", "gen_in_loop_tokens_per_s", "gen_standalone_tokens_per_s",
-                  "compiles_constant_after_step3", "memory_estimate_gb"):
+                  "gen_standalone_all_logprobs_tokens_per_s", "compiles_constant_after_step3", "memory_estimate_gb"):
             if k in summary:
                 figures[k] = summary[k]
         row = ledger.make_row("ppo_step", figures, config=args.config, overrides=list(args.overrides),

@@ -7,8 +7,10 @@ Each start is `scripts/bench_ppo_step.py` in a new process: the trainer built on
 vLLM with its default CUDA-graph mode unless the config says otherwise, JAX actor / critic / reference), then
 one PPO step (which generates, scores, runs the forward passes and both updates). `--first-steps N` makes the
 first start the step benchmark as well (N steps, medians of steps 3..N, standalone generation; its own ledger
-row). `--deadline-s` stops launching starts that would not finish in time (the last start's wall time is the
-guess); what ran is reported and recorded either way.
+row). `--deadline-s` stops launching starts that would not finish in time (the guess: the longest one-step start
+so far, or before there is one, 0.6 x the first start's setup + first step: later starts find the caches the
+first one built); what ran is reported and recorded either way. `--first-index K` numbers the starts from K
+(a series continued in a second call).
 
 `--clear` deletes the caches a start could depend on before the first start (`first`, the default), before
 every start (`every`) or never: vLLM's (~/.cache/vllm: compiled graphs, model info), inductor's
@@ -81,6 +83,18 @@ def one_start(i: int, args, steps: int, logs: Path) -> dict:
     return rec
 
 
+def next_start_guess(records: list[dict]) -> float:
+    """Seconds the next one-step start will take: the longest one-step start so far; else 0.6 x the first
+    start's setup + first step (it compiled what the later ones find in the caches), else its wall time."""
+    one = [r["wall_s"] for r in records if r["steps"] == 1]
+    if one:
+        return max(one)
+    r = records[-1]
+    if r.get("setup_s") is not None and r.get("first_step_s") is not None:
+        return 0.6 * (r["setup_s"] + r["first_step_s"])
+    return r["wall_s"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
@@ -88,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--starts", type=int, default=8)
     p.add_argument("--clear", choices=["first", "every", "none"], default="first")
     p.add_argument("--first-steps", type=int, default=1, help="steps of the first start (>= 10: the step benchmark)")
+    p.add_argument("--first-index", type=int, default=1, help="number of the first start (a continued series)")
     p.add_argument("--deadline-s", type=float, default=0.0, help="launch no start past this many seconds (0: none)")
     p.add_argument("--logs", default="/tmp/jaxppo_starts")
     p.add_argument("--workdir", default="/tmp/jaxppo_ppo_bench")
@@ -100,13 +115,14 @@ def main(argv=None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     records, cleared = [], []
     t0 = time.perf_counter()
-    for i in range(1, args.starts + 1):
-        if args.deadline_s and records and time.perf_counter() - t0 + records[-1]["wall_s"] > args.deadline_s:
-            print(f"deadline: start {i} of {args.starts} would end after {args.deadline_s:.0f} s; stopping", flush=True)
+    first = args.first_index
+    for i in range(first, first + args.starts):
+        if args.deadline_s and records and time.perf_counter() - t0 + next_start_guess(records) > args.deadline_s:
+            print(f"deadline: start {i} would end after {args.deadline_s:.0f} s; stopping", flush=True)
             break
-        if args.clear == "every" or (args.clear == "first" and i == 1):
+        if args.clear == "every" or (args.clear == "first" and i == first):
             cleared.append({"before_start": i, "removed": clear_caches()})
-        rec = one_start(i, args, args.first_steps if i == 1 else 1, logs)
+        rec = one_start(i, args, args.first_steps if i == first else 1, logs)
         records.append(rec)
         print(json.dumps(rec), flush=True)
         if args.json_out:  # after every start: a call cut short still leaves what ran
