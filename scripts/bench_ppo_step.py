@@ -178,20 +178,33 @@ def main(argv=None) -> int:
                "memory_plan_gb": {k: v / 2**30 for k, v in trainer.memory_estimate.components.items()},
                "token_budgets": vars(trainer.ctx.budgets) if trainer.ctx.budgets else None}
     if not args.no_standalone:
-        # standalone vLLM generation: same prompts and lengths, engine awake, nothing else running
+        # standalone generation as the loop generates, nothing else running: each repeat woken from sleep with
+        # the weights pushed (as every step), then new prompts of the same lengths (the prefix cache holds none
+        # of them, as in the loop; repeating one prompt set would skip its prefill)
         from jaxppo import distributed as dist
         from jaxppo.step import rollout_sampling
 
-        rows = np.arange(n_prompts)[dist.share(n_prompts, "prompts")]  # this process's share, as in the loop
-        prompts = [trainer.train_ds.input_ids[i].tolist() for i in rows]
+        share = dist.share(n_prompts, "prompts")  # this process's share, as in the loop
+        num_rows = len(trainer.train_ds.input_ids)
+        prompt_sets = iter(range(1, 100))
+
+        def new_prompts() -> list[list[int]]:
+            k = next(prompt_sets)
+            return [trainer.train_ds.input_ids[(k * n_prompts + i) % num_rows].tolist()
+                    for i in np.arange(n_prompts)[share]]
+
         sampling = rollout_sampling(cfg, 1, step=1)  # the loop's on 7 steps of 8 (jaxppo/step.py)
         engine.wake()
         trainer.sync_weights()
-        engine.generate(prompts[:8], sampling)
+        engine.generate(new_prompts()[:8], sampling)
 
         def tokens_per_s(sampling) -> float:
             times = []
             for _ in range(3):
+                prompts = new_prompts()
+                engine.sleep()
+                engine.wake()
+                trainer.sync_weights()
                 t0 = time.perf_counter()
                 ro = engine.generate(prompts, sampling)
                 times.append(time.perf_counter() - t0)
