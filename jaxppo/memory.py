@@ -27,7 +27,9 @@ packed rows, unrolled layers, dots_attn): the 1.5B critic update asked 49.45 GiB
 56.03 GiB at 16384, 71.26 GiB at 23552 and 74.21 GiB at 32768 (rows of ~24.5k tokens) — about 26 GiB that
 does not grow with the budget (UPDATE_PER_PARAM = 4.5 x its 5.75 GiB of fp32 parameters) plus 25
 hidden-sized bf16 vectors per token per decoder layer (plan: 50.5, 58.7, 73.1, 75.1 GiB); the 0.5B step
-(budgets 32768) peaked at 51.8 GiB, 11.9 GiB of it states (plan: 53.0). With full remat the 1.5B critic
+(budgets 32768) peaked at 51.8 GiB, 11.9 GiB of it states (plan: 53.0); the 1.5B step at its planned budgets
+(critic update 14336) at 94.5 GiB, 37.4 of it states, 2.6 GiB above states + the planned critic update: the
+overhead (3 GiB) covers such buffers, and the peaks are checked against the plan with it. With full remat the 1.5B critic
 asked 30.9 GiB at ~24.5k tokens (3 vectors beside the same constant). `dots` and `none` are scaled from
 dots_attn by the residuals they keep (not measured). Rows shorter than the budget hold less: an upper bound.
 tests/test_memory_plan.py checks the plan against these requests as the ledger records them.
@@ -44,7 +46,8 @@ from jaxppo.models.config import ModelConfig
 
 MARGIN = 0.05  # CUDA context, cuBLAS / cuDNN workspaces, NCCL buffers, fragmentation
 GiB = 2**30
-OVERHEAD_BYTES = 2 * GiB  # per device, besides the components below
+OVERHEAD_BYTES = 3 * GiB  # per device, besides the components below: buffers live beside an update (the 1.5B
+# committed config peaked 2.6 GiB above its states + planned critic update on 2026-12-01; 2 GiB was too little)
 ACT_PER_LAYER = {"full": 3.0, "dots": 24.5, "dots_attn": 25.0, "none": 35.0}  # hidden-sized vectors per token per layer
 UPDATE_PER_PARAM = 4.5  # an update's gradients + optimizer temporaries, per fp32 byte of the trained parameters
 FORWARD_PER_TOKEN = 25.0  # hidden-sized vectors per token of a forward-only pass (one layer's transients)
