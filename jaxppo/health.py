@@ -175,6 +175,8 @@ class HealthMonitor:
         hit = {f.rule: f for f in found}
         for name, spec in SPECS.items():
             rule = getattr(self.cfg, name)
+            if name not in hit and not any(k in metrics for k in spec.metrics):
+                continue  # not measured this step (rollout/* on every 8th step): no evidence either way
             metrics[f"health/{name}"] = 1.0 if name in hit else 0.0
             if name not in hit:
                 if self.firing.get(name):

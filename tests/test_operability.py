@@ -184,6 +184,16 @@ def test_health_monitor_reports_once_per_episode():
     assert mon.findings == 2  # the second episode began only after two healthy steps in a row
     m = {"actor/ppo_kl": 0.01, "critic/score/mean": float("nan")}
     assert [f.rule for f in mon.report(m)] == ["nonfinite"] and m["health/nonfinite"] == 1.0
+    # a metric measured only on some steps (the engine's log-probs: every 8th): steps without it are no evidence,
+    # so they neither fire nor end the episode
+    mon = HealthMonitor(HealthConfig(recover_steps=2))
+    firing = []
+    for v in (0.5, None, None, None, 0.5, None, 0.01, 0.01, 0.5):
+        m = {} if v is None else {"rollout/logprob_diff_mean": v}
+        mon.report(m)
+        firing.append(m.get("health/logprob_mismatch"))
+    assert firing == [1, None, None, None, 1, None, 0, 0, 1]
+    assert mon.findings == 2  # one episode until two measured healthy steps, then a second
 
 
 @pytest.mark.slow
