@@ -29,8 +29,8 @@ does not grow with the budget (UPDATE_PER_PARAM = 4.5 x its 5.75 GiB of fp32 par
 hidden-sized bf16 vectors per token per decoder layer (plan: 50.5, 58.7, 73.1, 75.1 GiB); the 0.5B step
 (budgets 32768) peaked at 51.8 GiB, 11.9 GiB of it states (plan: 53.0); the 1.5B step at its planned budgets
 (critic update 14336) at 94.5 GiB, 37.4 of it states, 2.6 GiB above states + the planned critic update: the
-overhead (3 GiB) covers such buffers, and the peaks are checked against the plan with it. With full remat the 1.5B critic
-asked 30.9 GiB at ~24.5k tokens (3 vectors beside the same constant). `dots` and `none` are scaled from
+overhead (3 GiB) covers such buffers, and the peaks are checked against the plan with it. With full remat the
+1.5B critic asked 30.9 GiB at ~24.5k tokens (3 vectors beside the same constant). `dots` and `none` are scaled from
 dots_attn by the residuals they keep (not measured). Rows shorter than the budget hold less: an upper bound.
 tests/test_memory_plan.py checks the plan against these requests as the ledger records them.
 """

@@ -45,7 +45,7 @@ def rollout_metrics(g: dict[str, np.ndarray], step: int, kl_coef: float, max_res
     m.update(stats("response_length", g["lengths"]))
     m["response_length/clip_ratio"] = float(np.mean(g["lengths"] >= max_response_length))
     m.update(stats("prompt_length", g["prompt_lengths"]))
-    # over the samples the engine returned log-probs for (rollout.calculate_log_probs; else every 8th prompt's)
+    # on the steps the engine returned log-probs (rollout.calculate_log_probs; else every 8th step: jaxppo/step.py)
     rollout_lp = g["rollout_lp"]
     known = rmask * np.isfinite(rollout_lp)
     if known.any():

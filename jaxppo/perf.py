@@ -97,7 +97,6 @@ def measure_matmul_peak(n: int | None = None, dtype=None, reps: int = 5) -> floa
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
 
 
-
 class GCClock:
     """Wall time this process spends in Python's cyclic garbage collector (`gc.callbacks`), and collections
     by generation: `perf/gc_s` per step. A full collection walks every tracked object (the trainer's,

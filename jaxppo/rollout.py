@@ -30,10 +30,10 @@ class Sampling:
     max_tokens: int = 256  # response length cap
     seed: int | None = None  # same seed -> same samples (vLLM: per request seed + index)
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
-    # the engine's log-probs for the samples of every k-th prompt (prompt index % k == 0; 1: all, 0: none);
-    # the others' are NaN. In vLLM each requested log-prob is a Python object built per token per step: on a
-    # small model the engine is CPU-bound, and all of them cost (measured) a tenth of its generation time
-    logprobs_every: int = 1
+    # the engine's log-prob of each sampled token (False: NaN). vLLM computes them for the batch on every decode
+    # step and builds a Python object per token, CPU work that bounds a small model's generation
+    # (docs/benchmarks.md, "PPO step")
+    logprobs: bool = True
 
 
 @dataclasses.dataclass
@@ -42,8 +42,8 @@ class Rollouts:
 
     response_ids: np.ndarray  # int32, padded with pad_id after the end
     response_mask: np.ndarray  # float32, 1 on generated tokens (the EOS included)
-    logprobs: np.ndarray  # float32, the engine's log-prob of each sampled token (0 on padding, NaN where not
-    # asked for: Sampling.logprobs_every)
+    logprobs: np.ndarray  # float32, the engine's log-prob of each sampled token (0 on padding; NaN when not
+    # asked for: Sampling.logprobs)
     finish_reasons: list[str]  # "stop" (EOS / stop id) or "length"
     prompt_index: np.ndarray  # int32, which prompt each sample answers
 
@@ -110,15 +110,10 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
 
-def wants_logprobs(prompt: int, every: int) -> bool:
-    """Whether the engine returns log-probs for the samples of prompt `prompt` (Sampling.logprobs_every)."""
-    return every > 0 and prompt % every == 0
-
-
 def pack_responses(samples: Sequence[tuple[Sequence[int], Sequence[float] | None, str]], max_tokens: int,
-                   pad_id: int, n: int, logprobs_every: int = 1) -> Rollouts:
+                   pad_id: int, n: int, logprobs: bool = True) -> Rollouts:
     """(token ids, log-probs, finish reason) per sample, prompt-major with n per prompt -> padded Rollouts;
-    the log-probs of prompts not asked for (`logprobs_every`) are NaN whatever the engine computed."""
+    without `logprobs` (not asked for) the log-probs are NaN whatever the engine computed."""
     num = len(samples)
     ids = np.full((num, max_tokens), pad_id, np.int32)
     mask = np.zeros((num, max_tokens), np.float32)
@@ -127,7 +122,7 @@ def pack_responses(samples: Sequence[tuple[Sequence[int], Sequence[float] | None
     for i, (toks, lp, reason) in enumerate(samples):
         k = min(len(toks), max_tokens)
         ids[i, :k], mask[i, :k] = list(toks)[:k], 1.0
-        if wants_logprobs(i // n, logprobs_every):
+        if logprobs:
             lps[i, :k] = list(lp)[:k]
         else:
             lps[i] = np.nan

@@ -142,7 +142,7 @@ def rollout_sampling(cfg: Config, seed: int | None, step: int) -> Sampling:
     always = r.calculate_log_probs or cfg.actor.tis_threshold is not None
     return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                     max_tokens=cfg.data.max_response_length, seed=seed,
-                    logprobs_every=1 if always or step % MISMATCH_EVERY == 0 else 0)
+                    logprobs=always or step % MISMATCH_EVERY == 0)
 
 
 @contextlib.contextmanager

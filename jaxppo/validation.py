@@ -125,9 +125,9 @@ def val_sampling(cfg: Any) -> Sampling:
     v = cfg.rollout.val_kwargs
     if not v.do_sample:
         return Sampling(n=v.n, temperature=0.0, max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed,
-                        logprobs_every=0)
+                        logprobs=False)
     return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
-                    max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed, logprobs_every=0)
+                    max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed, logprobs=False)
 
 
 def validate(ctx: Any, actor_params: Any) -> dict[str, float]:

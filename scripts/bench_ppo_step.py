@@ -215,8 +215,8 @@ def main(argv=None) -> int:
         in_loop_tps = median([s["gen_tokens"] / s["timing_s/gen"] for s in keep])
         summary.update(gen_in_loop_tokens_per_s=in_loop_tps, gen_standalone_tokens_per_s=standalone_tps,
                        gen_in_loop_over_standalone=in_loop_tps / standalone_tps)
-        if sampling.logprobs_every != 1:  # what the engine's log-probs for every sample would cost
-            every = dataclasses.replace(sampling, logprobs_every=1)
+        if not sampling.logprobs:  # what the engine's log-probs for every sample would cost
+            every = dataclasses.replace(sampling, logprobs=True)
             summary["gen_standalone_all_logprobs_tokens_per_s"] = tokens_per_s(every)
     summary["device"] = ledger.device()
     summary["versions"] = ledger.versions()

@@ -16,21 +16,22 @@ from jaxppo.step import MISMATCH_EVERY, rollout_sampling
 ])
 def test_rollout_sampling_asks_for_what_is_used(overrides, always):
     cfg = load_config("configs/default.yaml", overrides)
-    every = [rollout_sampling(cfg, 3, step).logprobs_every for step in range(2 * MISMATCH_EVERY + 1)]
-    want = [1 if always or step % MISMATCH_EVERY == 0 else 0 for step in range(2 * MISMATCH_EVERY + 1)]
-    assert every == want
+    asked = [rollout_sampling(cfg, 3, step).logprobs for step in range(2 * MISMATCH_EVERY + 1)]
+    assert asked == [always or step % MISMATCH_EVERY == 0 for step in range(2 * MISMATCH_EVERY + 1)]
     s = rollout_sampling(cfg, 3, 1)
     assert (s.n, s.temperature, s.max_tokens, s.seed) == (cfg.rollout.n, cfg.rollout.temperature,
                                                           cfg.data.max_response_length, 3)
 
 
-def test_pack_responses_marks_unasked_prompts_nan():
-    samples = [([5, 6, 7], [-0.5, -1.0, -1.5], "length")] * 6 + [([5], [-0.25], "stop")] * 6
-    ro = pack_responses(samples, 4, 0, n=2, logprobs_every=3)  # 6 prompts x 2 samples
-    asked = np.isin(ro.prompt_index, [0, 3])
-    assert np.isnan(ro.logprobs[~asked]).all()
-    np.testing.assert_array_equal(ro.logprobs[asked & (ro.prompt_index == 0)][0], [-0.5, -1.0, -1.5, 0.0])
-    np.testing.assert_array_equal(ro.logprobs[asked & (ro.prompt_index == 3)][0], [-0.25, 0.0, 0.0, 0.0])
+def test_pack_responses_marks_unasked_logprobs_nan():
+    samples = [([5, 6, 7], [-0.5, -1.0, -1.5], "length"), ([5], [-0.25], "stop")] * 2  # 2 prompts x 2 samples
+    ro = pack_responses(samples, 4, 0, n=2)
+    np.testing.assert_array_equal(ro.logprobs[0], [-0.5, -1.0, -1.5, 0.0])
+    np.testing.assert_array_equal(ro.logprobs[1], [-0.25, 0.0, 0.0, 0.0])
+    unasked = pack_responses(samples, 4, 0, n=2, logprobs=False)
+    assert np.isnan(unasked.logprobs).all()
+    np.testing.assert_array_equal(unasked.response_ids, ro.response_ids)
+    np.testing.assert_array_equal(unasked.response_mask, ro.response_mask)
 
 
 def _mismatch_reference(trainer_lp, rollout_lp, mask):

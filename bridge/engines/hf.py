@@ -82,7 +82,7 @@ class HFEngine:
             end = next((j for j, t in enumerate(row) if t in stop_set), None)
             n_tok = len(row) if end is None else end + 1
             samples.append((row[:n_tok], lp[:n_tok], "length" if end is None else "stop"))
-        return pack_responses(samples, sampling.max_tokens, self.pad_token_id, sampling.n, sampling.logprobs_every)
+        return pack_responses(samples, sampling.max_tokens, self.pad_token_id, sampling.n, sampling.logprobs)
 
     @staticmethod
     def _processed(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

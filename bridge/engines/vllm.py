@@ -31,7 +31,7 @@ from bridge.dlpack import to_torch
 from bridge.push import DirectCopy, PlanError
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights
-from jaxppo.rollout import Rollouts, Sampling, pack_responses, wants_logprobs
+from jaxppo.rollout import Rollouts, Sampling, pack_responses
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class VLLMEngine:
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
                 top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_tokens,
-                logprobs=0 if wants_logprobs(i, sampling.logprobs_every) else None,
+                logprobs=0 if sampling.logprobs else None,
                 seed=None if sampling.seed is None else sampling.seed * 1_000_003 + i,
                 stop_token_ids=stop, ignore_eos=not self.eos_token_ids, detokenize=False))
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
@@ -193,7 +193,7 @@ class VLLMEngine:
                 toks = list(comp.token_ids)
                 lps = None if comp.logprobs is None else [step[t].logprob for step, t in zip(comp.logprobs, toks)]
                 samples.append((toks, lps, "stop" if comp.finish_reason == "stop" else "length"))
-        return pack_responses(samples, sampling.max_tokens, self.pad_token_id, sampling.n, sampling.logprobs_every)
+        return pack_responses(samples, sampling.max_tokens, self.pad_token_id, sampling.n, sampling.logprobs)
 
     def sleep(self) -> None:
         """Offload weights and free the KV cache so the trainer gets the memory (GPU, sleep mode)."""
