@@ -6,7 +6,7 @@
 # Writes $OUT/results_<tag>.jsonl (ledger rows), $OUT/starts_<tag>.json, $OUT/step_<tag>.json, $OUT/logs_<tag>.tgz.
 set -u
 config=$1 shape=$2 starts=$3 tag=$4 deadline=${5:-520}
-# the device copy's .git is the snapshot of when the session began, not the commit being run: name it
+# the device copy's .git can be older than the commit being run (seen 2026-12-01): name it
 : "${JAXPPO_COMMIT:?set JAXPPO_COMMIT to the commit under test (git rev-parse --short HEAD here)}"
 export JAXPPO_COMMIT PY=/opt/torch/.venv/bin/python3
 mkdir -p /tmp/whl && $PY -m pip install -q --no-index --no-deps --upgrade --target /tmp/whl .whl/*.whl
