@@ -17,6 +17,7 @@ Where the device's peak is not in the table (CPU, unknown cards) a measured matm
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -95,6 +96,27 @@ def measure_matmul_peak(n: int | None = None, dtype=None, reps: int = 5) -> floa
         out = f(a)
     out.block_until_ready()
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def involuntary_switches() -> int:
+    """This process's involuntary context switches so far (its threads preempted while runnable: waiting for a
+    CPU, not for I/O or a lock); 0 where `resource` is missing."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+
+
+def steal_seconds() -> float | None:
+    """CPU time this (virtual) machine's CPUs spent waiting for the hypervisor, summed over CPUs, from
+    /proc/stat; None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class GCClock:

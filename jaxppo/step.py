@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxppo import distributed as dist
-from jaxppo import ppo
+from jaxppo import perf, ppo
 from jaxppo.config import Config
 from jaxppo.data import left_pad
 from jaxppo.engine import ActorEngine, CriticEngine, TrainState
@@ -48,14 +48,25 @@ log = logging.getLogger(__name__)
 
 class Timer:
     """Wall time per named phase (`timing_s/<name>`), each phase also a named region of the JAX profiler
-    trace and, while torch is being profiled, of the torch trace."""
+    trace and, while torch is being profiled, of the torch trace. For the phases in `cpu_phases` also the
+    process's CPU time (`perf/cpu_s/<name>`, all threads) and involuntary context switches
+    (`perf/ctx_switches/<name>`), and on Linux the machine's steal time (`perf/steal_s/<name>`, summed over its
+    CPUs: a virtual machine's CPUs taken by the host): generation of a small model is bound by the engine's
+    Python work, and these tell a slow generation that did more work from one that waited for a CPU."""
 
-    def __init__(self, torch_regions: bool = False):
+    def __init__(self, torch_regions: bool = False, cpu_phases: tuple[str, ...] = ("gen",)):
         self.times: dict[str, float] = {}
         self.torch_regions = torch_regions
+        self.cpu_phases = cpu_phases
+
+    def _add(self, key: str, value: float) -> None:
+        self.times[key] = self.times.get(key, 0.0) + value
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        cpu = name in self.cpu_phases
+        if cpu:
+            c0, s0, st0 = time.process_time(), perf.involuntary_switches(), perf.steal_seconds()
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             stack.enter_context(jax.profiler.TraceAnnotation(name))
@@ -64,7 +75,13 @@ class Timer:
 
                 stack.enter_context(torch.profiler.record_function(name))
             yield
-        self.times[f"timing_s/{name}"] = self.times.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
+        self._add(f"timing_s/{name}", time.perf_counter() - t0)
+        if cpu:
+            self._add(f"perf/cpu_s/{name}", time.process_time() - c0)
+            self._add(f"perf/ctx_switches/{name}", float(perf.involuntary_switches() - s0))
+            st1 = perf.steal_seconds()
+            if st0 is not None and st1 is not None:
+                self._add(f"perf/steal_s/{name}", st1 - st0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,10 @@ def test_bench_ppo_step_on_a_committed_config(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert summary["samples"] == 2 and summary["median_steps_3_to_n"]["timing_s/step"] > 0
     assert summary["token_budgets"]["actor_update"] > 0  # packing is on in the committed config
+    # standalone generation repeated as often as the loop has samples, each with its CPU time
+    assert len(summary["gen_standalone_repeats"]) == len(summary["gen_in_loop_steps"]) == summary["samples"]
+    assert all(r["perf/cpu_s/gen"] > 0 and r["gen_tokens"] > 0 for r in summary["gen_standalone_repeats"])
+    assert all(r["perf/cpu_s/gen"] > 0 for r in summary["gen_in_loop_steps"])
     held = summary["memory_held_gb"]  # measured per component, beside the plan's
     assert held.keys() == {"actor (trained params + AdamW)", "critic (trained params + AdamW)", "reference"}
     assert held["actor (trained params + AdamW)"] == pytest.approx(

@@ -40,3 +40,29 @@ def test_mfu_is_measured_against_the_card_specification():
     assert device_peak_flops(H200()) == (989e12, "spec (NVIDIA H200)")
     peak, source = device_peak_flops()  # this machine's CPU: not in the table, so measured
     assert peak > 0 and source.startswith("measured")
+
+
+def test_timer_separates_a_phase_that_computes_from_one_that_waits():
+    """The generation phase's CPU time tells a slow generation that did more work from one that waited; a
+    phase spinning in Python accrues about its wall time in CPU time, one blocked on an event almost none."""
+    import threading
+    import time
+
+    from jaxppo.step import Timer
+
+    timer = Timer(cpu_phases=("busy", "idle"))
+    with timer("busy"):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.3:
+            pass
+    done = threading.Event()
+    threading.Timer(0.3, done.set).start()
+    with timer("idle"):
+        assert done.wait(10)
+    with timer("other"):  # not asked: wall time only
+        pass
+    t = timer.times
+    assert t["perf/cpu_s/busy"] >= 0.5 * t["timing_s/busy"] and t["timing_s/busy"] >= 0.3
+    assert t["timing_s/idle"] >= 0.3 and t["perf/cpu_s/idle"] < 0.2 * t["timing_s/idle"]
+    assert t["perf/ctx_switches/busy"] >= 0 and "perf/cpu_s/other" not in t
+    assert set(t) >= {"timing_s/busy", "timing_s/idle", "timing_s/other"}
