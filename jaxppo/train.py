@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("jaxppo").info(memory.describe(cfg.rollout.gpu_memory_utilization, stats.get("bytes_limit")))
 
     try:
-        trainer = PPOTrainer(cfg, make_engine_factory(cfg))
-        final = trainer.fit()
+        with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+            final = trainer.fit()
     except JaxppoError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -391,6 +391,18 @@ class PPOTrainer:
         self.vals_since_best += 1
         return self.vals_since_best >= t.early_stop_patience
 
+    def close(self) -> None:
+        """Gives back what the trainer holds of the process: the objects that setup froze out of the garbage
+        collector go back to it (`gc.unfreeze()`, as vLLM's engine does at shutdown), so that a later trainer
+        in the same process (tests, notebooks, sweeps) does not keep this one's cyclic garbage for good."""
+        gc.unfreeze()
+
+    def __enter__(self) -> "PPOTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def fit(self) -> dict[str, float]:
         """Steps until done, early stop, a health stop, too many bad steps or a stop signal; sets
         `stop_reason` and `exit_code` (0; 3 when the run's health ended it)."""

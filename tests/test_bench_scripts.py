@@ -117,3 +117,44 @@ def test_ledger_rows_need_their_provenance(tmp_path):
     with pytest.raises(ValueError, match="lacks"):
         ledger.append({"bench": "update", "figures": {}}, tmp_path / "r.jsonl")
 
+
+
+def _numbers(value) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _numbers(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in _numbers(v)]
+    return []
+
+
+def _performance_rows() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Performance"):]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
+    return [line for line in section.splitlines() if line.startswith("|") and not line.startswith(("| what", "|---"))]
+
+
+def test_readme_performance_figures_are_ledger_rows():
+    """Every row of README's performance table cites a (bench, date) of the ledger, and each of its bold
+    figures is a figure of such a row, as printed (3.70 s, 54.1k tok/s, 48.3%, 1.07x)."""
+    import re
+
+    rows = ledger.read()
+    assert len(_performance_rows()) >= 8
+    for line in _performance_rows():
+        cited = re.findall(r"`(\w+)`, (\d{4}-\d{2}-\d{2})", line)
+        assert cited, f"README performance row cites no ledger row: {line[:80]}"
+        cands = [r for r in rows if (r["bench"], r["date"]) in set(cited)]
+        assert cands, f"no ledger row for {cited}: {line[:80]}"
+        figures = [x for r in cands for x in _numbers(r["figures"])]
+        for num, unit in re.findall(r"\*\*([\d.,]+)(k| s| ms|%|x)?[^*]*\*\*", line):
+            shown = float(num.replace(",", ""))
+            decimals = len(num.split(".")[1]) if "." in num else 0
+            scale = {"k": 1e-3, "%": 100.0, " ms": 1e3}.get(unit, 1.0)
+            assert any(round(f * scale, decimals) == shown for f in figures), (
+                f"README's **{num}{unit or ''}** is no figure of the ledger rows {cited}")

@@ -203,3 +203,19 @@ def test_wandb_receives_the_resolved_config(tmp_path, monkeypatch):
     assert config["actor"]["optim"]["lr"] == pytest.approx(0.00042)
     assert config["trainer"]["total_training_steps"] == 1 and config["rollout"]["n"] == 2
     assert calls["logged"] and calls["finished"]
+
+
+def test_close_gives_the_trainer_back_to_the_garbage_collector(tmp_path):
+    """Setup freezes its objects out of the collector; `close()` unfreezes them, so a trainer dropped in a
+    process that goes on (tests, notebooks) is collected, cycles and all."""
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    with make_trainer(tmp_path, "trainer.total_training_steps=1") as tr:
+        assert gc.get_freeze_count() > 0
+        ref = weakref.ref(tr)
+    assert gc.get_freeze_count() == 0
+    del tr
+    gc.collect()
+    assert ref() is None
