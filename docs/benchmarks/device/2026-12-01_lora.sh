@@ -1,4 +1,4 @@
-# Device calls (one H200) for LoRA (not yet run: the device time of 2026-12-01 was spent before LoRA landed).
+# Device calls (one H200) for LoRA (7b and 1.5b run on 2026-12-01: ledger `ppo_step`, docs/benchmarks.md "LoRA"; update not yet run).
 # Usage, from the repo root there:  bash docs/benchmarks/device/2026-12-01_lora.sh <part>
 #   7b       Qwen2.5-7B shape, GRPO n = 4, LoRA r = 64, in-process vLLM, 64 prompts x 256 tokens, 10 steps
 #            (configs/gsm8k_qwen2.5_7b_lora.yaml): step breakdown, push time (timing_s/sync), memory per component
