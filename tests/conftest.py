@@ -32,12 +32,3 @@ def tokenizer_dir(tmp_path_factory):
 
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
-
-@pytest.fixture(autouse=True)
-def _unfreeze_after_each_test():
-    """A trainer freezes what is alive at its setup out of the garbage collector (PPOTrainer.close() undoes
-    it); tests that build trainers in this process without closing them must not keep each other's garbage."""
-    yield
-    import gc
-
-    gc.unfreeze()
