@@ -31,4 +31,3 @@ def tokenizer_dir(tmp_path_factory):
     from jaxppo.data.synthetic import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-

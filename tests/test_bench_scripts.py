@@ -118,7 +118,6 @@ def test_ledger_rows_need_their_provenance(tmp_path):
         ledger.append({"bench": "update", "figures": {}}, tmp_path / "r.jsonl")
 
 
-
 def _numbers(value) -> list[float]:
     if isinstance(value, bool):
         return []
