@@ -5,11 +5,20 @@ Under LoRA (`actor.lora_rank` > 0) the checkpoint holds the adapters only; the e
 run's base (its warm-start model if it had one, else `model.path`): W + (alpha / r) B A in float32. `--peft`
 also writes the adapter in PEFT's format to DIR/adapter (`adapter_config.json` + `adapter_model.safetensors`),
 which `peft.PeftModel.from_pretrained(<the base>, DIR/adapter)` loads; its `base_model_name_or_path` names the
-base directory."""
+base directory.
+
+Nothing of yours is lost: `--out` must be a new or empty directory, or one holding an earlier export (its
+`jaxppo_export.json` lists what it wrote); anything else is refused (exit 2, nothing touched) unless `--force`
+is given, which writes the export's files into it and keeps the rest. The export is written to a temporary
+directory beside `--out` and moved into place file by file, so an interrupted export leaves the directory as it
+was or with whole files; files and directories get the permissions a normal save would (the umask's).
+
+Exit codes: 0 exported; 2 a bad checkpoint (missing, corrupt, or another model's shapes) or `--out`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,7 +26,28 @@ from pathlib import Path
 from jaxppo.errors import JaxppoError
 
 
-def export(ckpt: str | Path, out: str | Path, dtype: str | None = None, peft: bool = False) -> Path:
+class ExportError(JaxppoError):
+    """`--out` is not a place the export may write to."""
+
+
+MARKER = "jaxppo_export.json"  # written into every export: where it came from and the files it wrote
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an `--out` that the export could damage (ExportError: exit 2), before anything is read or written."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: a file is there, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file() and not force:
+        raise ExportError(f"--out {out}: the directory is not empty and holds no earlier export (no {MARKER}); "
+                          "choose a new or empty directory, or pass --force to write the export's files into it "
+                          "(files of the same names are replaced, the others kept)")
+
+
+def export(ckpt: str | Path, out: str | Path, dtype: str | None = None, peft: bool = False,
+           force: bool = False) -> Path:
+    import json
+    import tempfile
+
     import jax.numpy as jnp
 
     from jaxppo.checkpoint import restore_actor
@@ -25,22 +55,61 @@ def export(ckpt: str | Path, out: str | Path, dtype: str | None = None, peft: bo
     from jaxppo.models import save_hf_checkpoint
     from jaxppo.models.lora import spec_from
 
+    out = Path(out).absolute()
+    check_out(out, force)
     actor = restore_actor(ckpt)
     if peft and actor.adapters is None:
         raise CheckpointError(f"{actor.run_dir}: --peft needs a LoRA run (actor.lora_rank > 0); this run trained the "
                               "whole model")
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype or "float32"]
-    out = save_hf_checkpoint(actor.params, actor.model_cfg, out, dtype=dt)
-    cfg, run_dir = actor.cfg, actor.run_dir
-    tok_dir = Path(cfg.data.tokenizer) if cfg.data.tokenizer else (actor.model_dir if cfg.model.path
-                                                                   else run_dir / "tokenizer")
-    for f in tok_dir.glob("*"):
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
-            shutil.copy(f, out / f.name)
-    if peft:
-        write_peft_adapter(actor.adapters, spec_from(cfg.actor), actor.model_cfg.num_hidden_layers,
-                           actor.base_dir.absolute(), out / "adapter")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging_root = Path(tempfile.mkdtemp(prefix=f".{out.name}.export.", dir=out.parent))
+    try:
+        staging = save_hf_checkpoint(actor.params, actor.model_cfg, staging_root / "model", dtype=dt)
+        cfg, run_dir = actor.cfg, actor.run_dir
+        tok_dir = Path(cfg.data.tokenizer) if cfg.data.tokenizer else (actor.model_dir if cfg.model.path
+                                                                       else run_dir / "tokenizer")
+        for f in tok_dir.glob("*"):
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                shutil.copy(f, staging / f.name)
+        if peft:
+            write_peft_adapter(actor.adapters, spec_from(cfg.actor), actor.model_cfg.num_hidden_layers,
+                               actor.base_dir.absolute(), staging / "adapter")
+        written = sorted(p.name for p in staging.iterdir()) + [MARKER]
+        (staging / MARKER).write_text(json.dumps({"checkpoint": str(Path(ckpt).absolute()),
+                                                  "dtype": dtype or "float32", "files": written}, indent=2) + "\n")
+        _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging_root, ignore_errors=True)
     return out
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """A new or empty `out`: the staging directory renamed to it. Otherwise each staged entry renamed over its
+    namesake, then the files an earlier export listed and this one did not write removed (old shards)."""
+    import json
+
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+        return
+    before = []
+    if (out / MARKER).is_file():
+        try:
+            before = json.loads((out / MARKER).read_text()).get("files", [])
+        except (ValueError, AttributeError):
+            before = []
+    new = {p.name for p in staging.iterdir()}
+    for entry in sorted(staging.iterdir(), key=lambda p: p.name == MARKER):  # the marker last
+        target = out / entry.name
+        if entry.is_dir() and target.is_dir():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    for name in before:
+        stale = out / name
+        if name not in new and "/" not in name and stale.exists():
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
 
 
 def write_peft_adapter(adapters, spec, num_layers: int, base_dir: Path, out: Path) -> Path:
@@ -78,9 +147,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--peft", action="store_true",
                    help="LoRA runs: also write the adapter in PEFT's format to OUT/adapter")
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty OUT that holds no earlier export (same-named files replaced)")
     args = p.parse_args(argv)
     try:
-        out = export(args.ckpt, args.out, args.dtype, args.peft)
+        out = export(args.ckpt, args.out, args.dtype, args.peft, args.force)
     except JaxppoError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

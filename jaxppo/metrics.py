@@ -68,10 +68,11 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start_step: int = 0):
         from tensorboardX import SummaryWriter
 
-        self.w = SummaryWriter(str(path))
+        # events of the steps a resumed run writes again are dropped (as `setup.truncate_metrics` drops their lines)
+        self.w = SummaryWriter(str(path), purge_step=start_step + 1 if start_step > 0 else 0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
@@ -130,7 +131,7 @@ class MetricsLogger:
             elif s == "jsonl":
                 self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
             elif s == "tensorboard":
-                self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+                self.sinks.append(TensorBoardSink(run_dir / "tensorboard", start_step))
             elif s == "wandb":
                 self.sinks.append(WandbSink(project, name, config or {}, run_dir))
             else:

@@ -205,7 +205,7 @@ def score(ctx: StepContext, ds: Any, rows: np.ndarray, rollouts: Rollouts,
         src = rows[rollouts.prompt_index]
         res = score_batch([ds.data_source[i] for i in src], decode(ctx, rollouts), [ds.ground_truth[i] for i in src],
                           [ds.extra_info[i] for i in src], num_workers=cfg.num_workers, timeout_s=cfg.timeout_s,
-                          reward_fn=ctx.reward_fn)
+                          reward_fn=ctx.reward_fn, default_rule=cfg.default_rule)
         scores = scores + res.scores
         counts.update(errors=float(res.num_errors + res.num_timeouts), timeouts=float(res.num_timeouts))
         counts.update({f"extra/{k}": v for k, v in res.extras.items()})

@@ -16,14 +16,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxppo import distributed as dist
 from jaxppo import memory
 from jaxppo import step as ppo_step
 from jaxppo import validation
 from jaxppo.checkpoint import RunCheckpointer, restore_from
-from jaxppo.config import Config, to_yaml, uses_critic
+from jaxppo.config import Config, config_dict, to_yaml, uses_critic
 from jaxppo.data import ResumableSampler
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.errors import ConfigError
@@ -34,9 +33,11 @@ from jaxppo.models.config import load_config as load_model_config
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, zeros_like_adapters
 from jaxppo.rewards import custom as custom_reward
+from jaxppo.rewards.workers import pool as reward_pool, resolve as resolve_workers
 from jaxppo.perf import device_peak_flops, flops_model, gc_clock
 from jaxppo.rollout import RolloutEngine
-from jaxppo.setup import DTYPES, attention_impl, engine_dtype, prepare_data, prepare_model_dir
+from jaxppo.setup import (DTYPES, attention_impl, check_tokenizer, check_warm_model, engine_dtype, make_run_dir, prepare_data, prepare_model_dir,
+                          truncate_metrics, write_atomic)
 from jaxppo.sharding import make_mesh
 from jaxppo.step import PPOState, StepContext, Timer
 from jaxppo.warmstart import sft_warm_start
@@ -63,11 +64,8 @@ class PPOTrainer:
         self.cfg = cfg
         t = cfg.trainer
         enable_compilation_cache(t.compilation_cache_dir)
-        self.run_dir = Path(t.default_local_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = make_run_dir(cfg)
         self.main = jax.process_index() == 0  # writes the config, metrics and logs; every process checkpoints
-        if self.main:
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.mesh = make_mesh(cfg.mesh.axes())
         self.tokenizer, self.tokenizer_dir, train_ds, val_ds = prepare_data(cfg, self.run_dir)
         self.model_dir = prepare_model_dir(cfg, self.run_dir, self.tokenizer)
@@ -80,6 +78,8 @@ class PPOTrainer:
         self.engine_dtype = engine_dtype(cfg)
         self.use_critic = uses_critic(cfg)
         self.model_cfg, _ = load_model_config(self.model_dir)
+        check_tokenizer(self.tokenizer, self.tokenizer_dir, self.model_cfg, self.model_dir)
+        check_warm_model(self.run_dir / "warm_model", self.model_cfg, self.model_dir)
         critic_cfg = load_model_config(cfg.model.critic_path)[0] if cfg.model.critic_path else self.model_cfg
         shards = self.mesh.shape["fsdp"] * self.mesh.shape["tensor"]
         card = memory.card_bytes(t.device_memory_gb)
@@ -156,6 +156,9 @@ class PPOTrainer:
                                budgets=budgets, rollout_weights=rollout_weights,
                                flops={"actor": flops_model(self.model_cfg, lora=actor_lora),
                                       "critic": flops_model(critic_cfg, False, critic_lora)})
+        reward_workers = resolve_workers(cfg.reward.num_workers)
+        if reward_workers:  # spawned now: their imports overlap with the rest of setup
+            reward_pool(reward_workers).start()
         self.state = PPOState(actor_state, critic_state, ref_params, cfg.algorithm.kl_ctrl.kl_coef)
         self.health = HealthMonitor(t.health)
         self.step = 0
@@ -167,7 +170,11 @@ class PPOTrainer:
         self._signal: str | None = None
         self._profiling = False
         self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", t.max_to_keep)
+        self._saved_step: int | None = None  # the step this process last checkpointed
         self._maybe_resume()
+        if self.main:  # only once setup and resume succeeded: a failed start leaves the run's record as it was
+            write_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.peak_flops, peak_source = device_peak_flops()
         # what setup built (modules, the engine, datasets, states' Python objects) lives for the run: frozen out
         # of the collector's walks (as vLLM's engine does with its own), so a full collection during a step walks
@@ -226,9 +233,12 @@ class PPOTrainer:
                 "best_val": self.best_val, "vals_since_best": self.vals_since_best}
 
     def save_checkpoint(self) -> None:
-        if self.step in self.checkpointer.manager.all_steps():
+        """Checkpoint the current step (once: a stop right after a cadence save writes nothing more). A step on
+        disk from before a resume is replaced (`RunCheckpointer.save`)."""
+        if self._saved_step == self.step:
             return
         self.checkpointer.save(self.step, self._states(), self._meta())
+        self._saved_step = self.step
         log.info("checkpoint saved: %s/%d", self.checkpointer.directory, self.step)
 
     def _maybe_resume(self) -> None:
@@ -236,14 +246,16 @@ class PPOTrainer:
         if mode == "disable":
             return
         if mode == "auto":
-            step = self.checkpointer.latest_step()
-            if step is None:
+            found = self.checkpointer.restore_newest(self._states())
+            if found is None:
                 return
-            states, meta = self.checkpointer.restore(step, self._states())
+            step, states, meta = found
         else:
             step, states, meta = restore_from(mode, self._states())
         self.state = PPOState(states["actor"], states.get("critic"), self.state.ref_params, float(meta["kl_coef"]))
         self.step = int(meta["step"])
+        if mode == "auto" or self.checkpointer.directory in (Path(mode).absolute(), Path(mode).absolute().parent):
+            self._saved_step = self.step  # the step is on disk in this run's checkpoints: not written again
         self.sampler.load_state(meta["sampler"])
         if "health" in meta:
             self.health.load_state(meta["health"])
@@ -409,7 +421,7 @@ class PPOTrainer:
         t = self.cfg.trainer
         logger = MetricsLogger(self.run_dir, list(t.logger) if self.main else [], total_steps=self.total_steps,
                                start_step=self.step, project=t.project_name, name=t.experiment_name,
-                               config=self._config_dict())
+                               config=config_dict(self.cfg))
         last: dict[str, float] = {}
         try:
             with self._stop_signals():
@@ -467,12 +479,6 @@ class PPOTrainer:
         if (t.save_freq > 0 and self.step % t.save_freq == 0) or done or self.stop_reason:
             self.save_checkpoint()
         return metrics
-
-    def _config_dict(self) -> dict[str, Any]:
-        """The resolved config as a plain tree (what W&B records for the run)."""
-        import yaml
-
-        return yaml.safe_load(to_yaml(self.cfg))
 
 
 __all__ = ["PPOTrainer", "enable_compilation_cache"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -151,8 +150,8 @@ def validate(ctx: Any, actor_params: Any) -> dict[str, float]:
             sources = [ds.data_source[i] for i in src]
             res = score_batch(sources, texts, [ds.ground_truth[i] for i in src], [ds.extra_info[i] for i in src],
                               num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                              reward_fn=ctx.reward_fn)
-            preds = res.preds or [get_answer_extractor(s)(t) for s, t in zip(sources, texts)]
+                              reward_fn=ctx.reward_fn, default_rule=cfg.reward.default_rule)
+            preds = res.preds or [get_answer_extractor(s, cfg.reward.default_rule)(t) for s, t in zip(sources, texts)]
             for j, row in enumerate(src):
                 rec = {"row": int(row), "source": sources[j], "reward": float(res.scores[j]), "pred": preds[j]}
                 rec.update({k: float(v[j]) for k, v in res.extras.items() if np.isfinite(v[j])})
@@ -194,17 +193,16 @@ def validate_only(cfg: Any, engine_factory: Callable) -> tuple[int, dict[str, fl
     """`trainer.val_only=true`: validate and log once. Returns (the step validated: the checkpoint's, else 0;
     the metrics; what was validated). No optimizer, critic or reference is built; no checkpoint is written."""
     from jaxppo.checkpoint import find_checkpoint, restore_actor
-    from jaxppo.config import to_yaml
+    from jaxppo.config import config_dict, to_yaml
     from jaxppo.metrics import MetricsLogger
     from jaxppo.models import load_model
     from jaxppo.rewards import custom as custom_reward
-    from jaxppo.setup import DTYPES, engine_dtype, prepare_data, prepare_model_dir
+    from jaxppo.setup import DTYPES, engine_dtype, make_run_dir, prepare_data, prepare_model_dir, write_atomic
     from jaxppo.sharding import make_mesh
     from jaxppo.step import StepContext
 
     t = cfg.trainer
-    run_dir = Path(t.default_local_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(cfg)
     mesh = make_mesh(cfg.mesh.axes())
     tokenizer, _, _, val_ds = prepare_data(cfg, run_dir)
     model_dir = prepare_model_dir(cfg, run_dir, tokenizer)
@@ -229,9 +227,10 @@ def validate_only(cfg: Any, engine_factory: Callable) -> tuple[int, dict[str, fl
     metrics = validate(ctx, params)
     main = dist.is_main()
     if main and not (run_dir / "config.yaml").exists():  # a training run's own config stays as it was
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg))
     logger = MetricsLogger(run_dir, [s for s in t.logger if s != "console"] if main else [], total_steps=step,
-                           start_step=step, project=t.project_name, name=t.experiment_name)
+                           start_step=step, project=t.project_name, name=t.experiment_name,
+                           config=config_dict(cfg))
     logger.log(step, metrics)
     logger.close()
     return step, metrics, what

@@ -49,10 +49,19 @@ def sft_warm_start(trainer, params: Any) -> Any:
     unit = acfg.ppo_micro_batch_size_per_device * engine.batch_shards
     bs = max(unit, min(c.data.train_batch_size * c.rollout.n, len(trainer.train_ds)) // unit * unit)
     sampler = ResumableSampler(len(trainer.train_ds), bs, seed=c.data.seed + 1)
+    ema = None  # the batch nll smoothed over ~5 steps: where the warm start stops with sft_target_nll
     for step in range(t.sft_warmup_steps):
         rows = sampler.next_batch()
         rows = rows[share(len(rows), "warm-start sequences")]  # this process's share of the global batch
         state, m = engine.sft_update(state, engine.shard_batch(sft_batches(trainer, rows)))
-        if step % 20 == 0 or step == t.sft_warmup_steps - 1:
-            log.info("sft warm start step %d/%d: nll %.4f", step + 1, t.sft_warmup_steps, float(m["nll"]))
+        done = False
+        if t.sft_target_nll > 0:
+            nll = float(m["nll"])
+            ema = nll if ema is None else 0.8 * ema + 0.2 * nll
+            done = ema <= t.sft_target_nll
+        if step % 20 == 0 or step == t.sft_warmup_steps - 1 or done:
+            log.info("sft warm start step %d/%d: nll %.4f%s", step + 1, t.sft_warmup_steps, float(m["nll"]),
+                     f" (smoothed {ema:.4f}: target {t.sft_target_nll} reached)" if done else "")
+        if done:
+            break
     return state.params

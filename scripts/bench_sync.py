@@ -219,6 +219,12 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/jaxppo_bench")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_sync.py needs a CUDA GPU: it times copies into vLLM's CUDA parameters against a device copy "
+              "floor", file=sys.stderr)
+        return 2
     names = args.model.split(",")
     if len(names) == 1:
         row = run_model(names[0], args)

@@ -48,6 +48,8 @@ RELATIONS = [
     (["rollout.gpu_memory_utilization=0.97"], "rollout.gpu_memory_utilization"),
     (["reward.timeout_s=-1"], "reward.timeout_s"),
     (["actor.tis_threshold=-1"], "actor.tis_threshold"),
+    (["reward.num_workers=-2"], "reward.num_workers"),
+    (["reward.default_rule=gsm8k"], "reward.default_rule 'gsm8k' unknown"),
     (["trainer.max_to_keep=0"], "trainer.max_to_keep"),
     (["trainer.resume_mode=/no/such/checkpoint"], "trainer.resume_mode"),
     (["model.path=/no/such/model"], "model.path"),
@@ -57,21 +59,92 @@ RELATIONS = [
      "custom_reward_function.name:"),
     (["actor.lora_rank=-1"], "actor.lora_rank must be >= 0"),
     (["actor.lora_rank=8", "actor.target_modules=q_proj,lm_head"], "actor.target_modules 'q_proj,lm_head': unknown"),
-    (["critic.lora_rank=8", "critic.lora_alpha=0"], "critic.lora_alpha must be positive"),
+    (["critic.lora_rank=8", "critic.lora_alpha=0"], "critic.lora_alpha = 0.0: must be a finite number in (0, inf)"),
     (["actor.lora_rank=8", "mesh.fsdp_gather=update"], "needs mesh.fsdp_gather=layer"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", RELATIONS, ids=[r[1][:40] for r in RELATIONS])
-def test_impossible_sizes_and_paths_are_refused(overrides, message):
-    """What `jaxppo.train` checks before building anything, for one device (this test process has eight)."""
-    from jaxppo.config import load_config, validate, validate_paths
-    from jaxppo.errors import ConfigError
+def test_impossible_sizes_and_paths_exit_2_before_the_run_directory_exists(overrides, message, tmp_path, capsys,
+                                                                          monkeypatch):
+    """What `jaxppo.train` checks before building anything, for one device as a user's CPU run has (this test
+    process has eight)."""
+    import jax
 
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        cfg = load_config("configs/default.yaml", overrides)
-        validate(cfg, 1)
-        validate_paths(cfg)
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+    rc, run = run_main(tmp_path, *overrides)
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err  # one line
+    assert not (tmp_path / "run").exists()
+
+
+def _outside(key: str) -> list[str]:
+    """Values outside the domain of float key `key`: NaN (inf takes the same check), and one past each finite
+    bound."""
+    from jaxppo.config.checks import _domain_of
+
+    lo, hi, lo_open, hi_open = _domain_of(key)
+    out = ["nan"] if lo != -float("inf") else ["nan", "-inf"]
+    if lo != -float("inf"):
+        out.append(str(lo if lo_open else lo - 0.5))
+    if hi != float("inf"):
+        out.append(str(hi if hi_open else hi + 0.5))
+    return out
+
+
+def _float_cases() -> list[tuple[str, str]]:
+    from jaxppo.config.checks import float_keys
+
+    cases = []
+    for key in float_keys():
+        for value in _outside(key):
+            v = f"[{value},0.99]" if key.endswith("betas") else value
+            cases.append((key, v))
+    return cases
+
+
+FLOATS = _float_cases()
+
+
+@pytest.mark.parametrize("key,value", FLOATS, ids=[f"{k}={v}" for k, v in FLOATS])
+def test_a_float_outside_its_domain_exits_2_before_the_run_directory_exists(key, value, tmp_path, capsys):
+    rc, _ = run_main(tmp_path, f"{key}={value}")
+    err = capsys.readouterr().err
+    assert rc == 2 and key in err and "must be a finite number in" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_float_key_has_a_domain():
+    """A new float knob must say its domain (FLOAT_DOMAINS), so NaN or a negative clip ratio never starts a run."""
+    from jaxppo.config.checks import FLOAT_DOMAINS, _domain_of, float_keys
+
+    keys = float_keys()
+    used = set()
+    for key in keys:
+        _domain_of(key)  # KeyError: no domain
+        parts = key.split(".")
+        used.add("optim." + parts[-1] if "optim" in parts else
+                 "trainer.health.*." + parts[-1] if key.startswith("trainer.health.") else key)
+    assert used == set(FLOAT_DOMAINS), set(FLOAT_DOMAINS) ^ used
+    assert {"actor.clip_ratio_low", "actor.clip_ratio_high", "actor.clip_ratio_c", "critic.cliprange_value",
+            "algorithm.gamma", "algorithm.lam", "actor.entropy_coeff"} <= set(keys)
+
+
+@pytest.mark.parametrize("text,what", [("data:\n  train_batch_size: [1,\n", "not valid YAML: did not find expected"),
+                                       ("data: !!python/object/apply:os.system [ls]\n", "not valid YAML: could not "
+                                        "determine a constructor"),
+                                       ("- 1\n- 2\n", "the top level must be a mapping"),
+                                       ("data: 3\n", "is not a subclass of DataConfig")])
+def test_a_broken_yaml_file_exits_2_naming_the_file_and_the_line(text, what, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    rc = main(["--config", str(bad), f"trainer.default_local_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(bad) in err and what in err and "Traceback" not in err, err
+    if "line" in what or "YAML" in what:
+        assert "line" in err
+    assert not (tmp_path / "run").exists()
 
 
 def run_cli(tmp_path, *overrides) -> subprocess.CompletedProcess:

@@ -147,3 +147,41 @@ def test_launcher_puts_each_process_gpu_first():
     envs = [gpu_env(i, ["2", "3", "5"]) for i in range(3)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2,3,5", "3,5,2", "5,2,3"]
     assert all(e["JAXPPO_LOCAL_DEVICE_IDS"] == "0" for e in envs)
+
+
+def test_a_torchrun_rank_sees_its_own_gpu_first_before_jax_starts(monkeypatch):
+    """initialize_from_env under torchrun: CUDA_VISIBLE_DEVICES is reordered (rank 1 of 2: GPU 1 first) before
+    jax.distributed.initialize, which then gets this process's first visible GPU."""
+    import jax
+
+    from jaxppo.distributed import initialize_from_env
+
+    seen = {}
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+           "CUDA_VISIBLE_DEVICES": "0,1", "JAX_PLATFORMS": "cuda"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("JAXPPO_NUM_PROCESSES", raising=False)
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(
+        kw, visible=os.environ["CUDA_VISIBLE_DEVICES"]))
+    topo = initialize_from_env()
+    assert topo.num_processes == 2 and topo.process_id == 1
+    assert seen["visible"] == "1,0" and seen["local_device_ids"] == [0] and seen["process_id"] == 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.train_batch_size=9", "data.train_batch_size (9) does not split over 2 processes"),
+    ("actor.ppo_mini_batch_size=3", "actor.ppo_mini_batch_size x rollout.n does not split over 2 processes"),
+])
+def test_validate_processes_refuses_batches_that_do_not_split(override, message):
+    from jaxppo.config import load_config, validate_processes
+    from jaxppo.errors import ConfigError
+
+    base = ["data.train_batch_size=12", "actor.ppo_mini_batch_size=6", "critic.ppo_mini_batch_size=6",
+            "rollout.n=1", "actor.ppo_micro_batch_size_per_device=1", "critic.ppo_micro_batch_size_per_device=1"]
+    validate_processes(load_config(None, base), 2)  # splits: no error
+    cfg = load_config(None, [*base, override] if "train_batch" not in override else
+                      [*base, override, "actor.ppo_mini_batch_size=9", "critic.ppo_mini_batch_size=9"])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_processes(cfg, 2)

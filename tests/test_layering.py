@@ -13,3 +13,9 @@ def test_core_imports_no_torch():
               "assert not bad, bad\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_every_test_runs_under_a_time_limit(pytestconfig):
+    """pytest-timeout is active with the project's limit: a test of a hang fails instead of hanging CI."""
+    assert pytestconfig.pluginmanager.hasplugin("timeout")
+    assert 0 < float(pytestconfig.getini("timeout")) <= 1800

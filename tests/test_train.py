@@ -9,8 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jaxppo.checkpoint import RunCheckpointer
+
 from tests.helpers import make_hf_checkpoint
-from tests.train_helpers import FAST, assert_resumed_at_checkpoint, read_metrics, run_train, start_train, wait_until
+from tests.train_helpers import (FAST, all_records, assert_resumed_at_checkpoint, read_metrics, run_train, start_train,
+                                 wait_until)
 
 REQUIRED = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
             "actor/kl_coef", "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/score/mean",
@@ -76,8 +79,12 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "checkpoints" / "5").exists()
+    newest = RunCheckpointer(killed / "checkpoints").latest_step()
     res = run_train(killed, *common)  # resume_mode=auto
     resumed = assert_resumed_at_checkpoint(killed, res.stderr + res.stdout)
+    assert resumed == newest  # the newest checkpoint on disk, not an older one
+    steps = [r["step"] for r in all_records(killed)]
+    assert sorted(set(steps)) == list(range(6)) and all(steps.count(s) == 1 for s in range(1, 6)), steps
     a, b = read_metrics(straight), read_metrics(killed)
     for step in range(resumed + 1, 6):
         ra, rb = _comparable(a[step]), _comparable(b[step])

@@ -219,3 +219,29 @@ def test_close_gives_the_trainer_back_to_the_garbage_collector(tmp_path):
     del tr
     gc.collect()
     assert ref() is None
+
+
+def test_wandb_receives_the_resolved_config_in_val_only(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from jaxppo.config import load_config
+    from jaxppo.train import make_engine_factory
+    from jaxppo.validation import validate_only
+    from tests.test_operability import MESH8
+    from tests.train_helpers import FAST, ROOT
+
+    import importlib.machinery
+
+    calls = {}
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # transformers asks whether wandb is installed
+    fake.init = lambda **kw: (calls.__setitem__("init", kw),
+                              types.SimpleNamespace(log=lambda m, step: None, finish=lambda: None))[1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config(ROOT / "configs" / "default.yaml",
+                      [*FAST, *MESH8, f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.val_only=true",
+                       "trainer.logger=[wandb]", "actor.optim.lr=0.00042"])
+    validate_only(cfg, make_engine_factory(cfg))
+    config = calls["init"]["config"]
+    assert config["actor"]["optim"]["lr"] == pytest.approx(0.00042) and config["trainer"]["val_only"] is True

@@ -207,10 +207,13 @@ class HFWeights:
 
 def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *, head: str = "lm",
                        dtype: Any = jnp.float32, max_shard_bytes: int = 2 << 30) -> Path:
-    """Write `params` as a Hugging Face checkpoint (safetensors shards + index + config.json).
+    """Write `params` as a Hugging Face checkpoint (safetensors shards + index + config.json) at `out_dir`, a
+    directory of the run's own (a model it made: the embedded default, the warm start) or a new one; an existing
+    `out_dir` is replaced as a whole (`jaxppo.export` is what writes into a user's directory).
 
     Written into a temporary sibling directory and renamed into place, so an interrupted save
-    never leaves a half-written checkpoint under `out_dir`.
+    never leaves a half-written checkpoint under `out_dir`; the directory gets the permissions a plain `mkdir`
+    would give it (the temporary one is private).
     """
     out_dir = Path(out_dir)
     if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
@@ -240,6 +243,10 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *,
         hf_cfg = cfg.to_hf_dict(arch, num_labels=None if head == "lm" else 1)  # "value" and "score": one label
         hf_cfg["torch_dtype"] = np.dtype(dtype).name
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        mask = _umask()
+        os.chmod(tmp, 0o777 & ~mask)
+        for f in tmp.iterdir():  # safetensors writes its files private (0600)
+            os.chmod(f, 0o666 & ~mask)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -247,6 +254,12 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *,
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _save_multiprocess(params: Params, cfg: ModelConfig, out_dir: Path, **kw) -> Path:

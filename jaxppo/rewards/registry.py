@@ -4,30 +4,30 @@ A registered reward function is `fn(solution_str, ground_truth, extra_info) -> f
 a file (`jaxppo.rewards.custom`) takes verl's keyword arguments (data_source first) and may return a dict with
 a `score` key, other numbers (reported per key) and `pred`, the answer it extracted (majority voting). A function that raises,
 returns a non-number, NaN or inf, or runs past `timeout_s` scores 0 for that sample; the counts are
-reported (`reward/errors`) and the first few offenders are logged. The time limit holds at every batch
-size: with `num_workers=0` each sample runs in this process under a SIGALRM timer (the trainer's main
-thread); with `num_workers >= 1` samples run in spawned worker processes, each under its own timer there,
-and a worker stuck where no signal reaches it (C code that never returns to Python) is terminated with
-its pool once the batch's deadline passes.
+reported (`reward/errors`) and the first few offenders are logged; so does one that ends its process
+(`sys.exit`, any BaseException but KeyboardInterrupt).
+
+By default samples run in worker processes (`jaxppo.rewards.workers`), each under its own timer there; a worker
+stuck where no signal reaches it (a loop in C) is killed once its sample is past the limit, and one that dies
+(`os._exit`, a crash) is replaced: either way only that sample scores 0 and the step completes. With
+`reward.num_workers=0` samples run in the trainer's process under a SIGALRM timer (main thread only), which
+cannot stop a loop in C or survive `os._exit`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import dataclasses
 import logging
 import math as pymath
-import multiprocessing
 import signal
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from jaxppo.registry import Registry
-from jaxppo.rewards import gsm8k, math
+from jaxppo.rewards import gsm8k, math, workers
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[[str, str, dict], float]
@@ -45,9 +45,12 @@ def _math(solution_str: str, ground_truth: str, extra_info: dict) -> float:
     return math.compute_score(solution_str, ground_truth)
 
 
-def get_reward_fn(data_source: str) -> RewardFn:
-    """The function registered for `data_source`, or the default (\\boxed{} math comparison)."""
-    return REWARD_FUNCTIONS.get(data_source if data_source in REWARD_FUNCTIONS else DEFAULT)
+def get_reward_fn(data_source: str, default_rule: str | None = None) -> RewardFn:
+    """The function registered for `data_source`, else `default_rule`'s, else the default (\\boxed{} math). Runs
+    check at dataset load that every source is covered (`jaxppo.setup.check_reward_sources`)."""
+    if data_source in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS.get(data_source)
+    return REWARD_FUNCTIONS.get(default_rule or DEFAULT)
 
 
 # the answer a response gives, for majority voting in validation (`maj@n`): one extractor per reward rule,
@@ -72,9 +75,12 @@ def _math_answer(solution_str: str) -> str | None:
     return _canonical(math.last_boxed(solution_str))
 
 
-def get_answer_extractor(data_source: str) -> Callable[[str], "str | None"]:
-    """The extractor of the rule that scores `data_source` (the default's for unregistered sources)."""
-    return ANSWER_EXTRACTORS.get(data_source if data_source in ANSWER_EXTRACTORS else DEFAULT)
+def get_answer_extractor(data_source: str, default_rule: str | None = None) -> Callable[[str], "str | None"]:
+    """The extractor of the rule that scores `data_source` (`default_rule`'s, or the default's, for unregistered
+    sources)."""
+    if data_source in ANSWER_EXTRACTORS:
+        return ANSWER_EXTRACTORS.get(data_source)
+    return ANSWER_EXTRACTORS.get(default_rule or DEFAULT)
 
 
 @dataclasses.dataclass
@@ -132,37 +138,13 @@ def _score_one(fn: RewardFn, data_source: str, solution: str, ground_truth: str,
         value = float(out)
     except _Timeout:
         return 0.0, f"timed out after {timeout_s}s", {}
-    except Exception as e:  # noqa: BLE001 - any failure of user reward code scores 0
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - any failure of user reward code scores 0, sys.exit() included
         return 0.0, f"{type(e).__name__}: {e}", {}
     if not pymath.isfinite(value):
         return 0.0, f"returned {value}", {}
     return value, None, extras
-
-
-_POOL: cf.ProcessPoolExecutor | None = None
-_POOL_WORKERS = 0
-
-
-def _pool(workers: int) -> cf.ProcessPoolExecutor:
-    global _POOL, _POOL_WORKERS
-    if _POOL is not None and _POOL_WORKERS != workers:
-        _kill_pool()
-    if _POOL is None:  # spawn: forking a process that runs JAX threads is unsafe
-        _POOL = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-        _POOL_WORKERS = workers
-    return _POOL
-
-
-def _kill_pool() -> None:
-    """A worker stuck beyond the reach of its timer may never return: terminate the pool so the next batch
-    gets fresh workers."""
-    global _POOL
-    if _POOL is not None:
-        procs = list(getattr(_POOL, "_processes", {}).values())
-        _POOL.shutdown(wait=False, cancel_futures=True)
-        for proc in procs:
-            proc.terminate()
-        _POOL = None
 
 
 def _is_timeout(msg: str | None) -> bool:
@@ -171,20 +153,23 @@ def _is_timeout(msg: str | None) -> bool:
 
 def score_batch(data_sources: Sequence[str], solutions: Sequence[str], ground_truths: Sequence[str],
                 extra_infos: Sequence[dict[str, Any]] | None = None, *, num_workers: int = 0,
-                timeout_s: float = 30.0, max_logged: int = 3, reward_fn: RewardFn | None = None) -> ScoreResult:
+                timeout_s: float = 30.0, max_logged: int = 3, reward_fn: RewardFn | None = None,
+                default_rule: str | None = None) -> ScoreResult:
     """Score every sample, each within `timeout_s` seconds (0: no limit): in this process when
-    `num_workers` is 0, else in that many worker processes. `reward_fn` overrides the data-source lookup
-    (a user's function from a file; it must be importable by reference for worker processes)."""
+    `num_workers` is 0, else in that many worker processes (-1: min(4, CPUs)). `reward_fn` overrides the
+    data-source lookup (a user's function from a file; it must be importable by reference for worker processes);
+    `default_rule` scores the sources no rule is registered for."""
     n = len(solutions)
     extra_infos = extra_infos if extra_infos is not None else [{}] * n
     # functions travel to worker processes by reference (module + name), so user functions registered in
     # an importable module work in worker processes too
-    items = [(reward_fn or get_reward_fn(ds), ds, sol, gt, ex, timeout_s)
+    items = [(reward_fn or get_reward_fn(ds, default_rule), ds, sol, gt, ex, timeout_s)
              for ds, sol, gt, ex in zip(data_sources, solutions, ground_truths, extra_infos)]
-    if num_workers <= 0:
+    num_workers = workers.resolve(num_workers)
+    if num_workers == 0:
         results = [_score_one(*it) for it in items]
     else:
-        results = _score_in_workers(items, num_workers, timeout_s)
+        results = workers.pool(num_workers).map(items, timeout_s)
     errors = [(i, msg) for i, (_, msg, _) in enumerate(results) if msg is not None]
     for i, msg in errors[:max_logged]:
         log.warning("reward for sample %d (data_source=%r) scored 0: %s; response tail: %r", i, data_sources[i],
@@ -195,28 +180,3 @@ def score_batch(data_sources: Sequence[str], solutions: Sequence[str], ground_tr
     preds = [ex.get("pred") for _, _, ex in results] if any("pred" in ex for _, _, ex in results) else None
     return ScoreResult(np.asarray([s for s, _, _ in results], np.float32), len(errors) - timeouts, timeouts, extras,
                        preds)
-
-
-def _score_in_workers(items: list[tuple], workers: int, timeout_s: float) -> list[tuple[float, str | None, dict]]:
-    """One task per sample; each is timed in its worker. The batch's deadline (every worker running its
-    share back to back at the limit, plus a grace period for starting the pool) catches a worker that its
-    timer cannot interrupt; then the pool is replaced and the unfinished samples score 0 as timed out."""
-    pool = _pool(workers)
-    futures = [pool.submit(_score_one, *it) for it in items]
-    deadline = None
-    if timeout_s > 0:
-        deadline = time.monotonic() + timeout_s * -(-len(items) // workers) + 30.0
-    results: list[tuple[float, str | None, dict]] = []
-    stuck = False
-    for fut in futures:
-        try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            results.append(fut.result(timeout=left))
-        except cf.TimeoutError:
-            stuck = True
-            results.append((0.0, f"timed out after {timeout_s}s (worker did not return)", {}))
-        except Exception as e:  # noqa: BLE001 - a worker that died (e.g. killed) scores its samples 0
-            results.append((0.0, f"worker failed: {type(e).__name__}: {e}", {}))
-    if stuck:
-        _kill_pool()
-    return results

@@ -1,0 +1,133 @@
+"""Loading a config: defaults <- YAML file <- dotted `key=value` overrides (OmegaConf structured configs), typed
+into the frozen dataclass tree of `jaxppo.config.schema`; and writing it back as YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any
+
+from jaxppo.config.schema import Config
+from jaxppo.errors import ConfigError
+
+
+def _key_list() -> list[str]:
+    import typing
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            name = prefix + f.name
+            yield name
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from walk(hints[f.name], name + ".")
+
+    return list(walk(Config, ""))
+
+
+def _suggest(key: str) -> str:
+    keys = _key_list()
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+    leaf = key.rsplit(".", 1)[-1]
+    close += [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k not in close]
+    return f"; did you mean {', '.join(close[:3])}?" if close else ""
+
+
+def _to_dataclass(cls, data: Any):
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if dataclasses.is_dataclass(hints[f.name]):
+            value = _to_dataclass(hints[f.name], value)
+        elif isinstance(value, list) and typing.get_origin(hints[f.name]) is tuple:
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _writable(node) -> None:
+    """Frozen dataclasses make omegaconf 2.3 nodes read-only one by one, and merging into them fails;
+    clear the flag everywhere (the dataclass built from the merge is frozen again)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    OmegaConf.set_readonly(node, None)
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            child = node._get_node(k)
+            if isinstance(child, (DictConfig, ListConfig)):
+                _writable(child)
+
+
+def _yaml_problem(e: Exception) -> str:
+    """One line: what the YAML parser objected to, and where ("line 3, column 1")."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- dotted `key=value` overrides, type-checked; errors are `ConfigError`."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    import yaml
+    from omegaconf import DictConfig
+
+    base = OmegaConf.structured(Config)
+    _writable(base)
+    where = "config"
+    try:
+        layers = [base]
+        if path is not None:
+            p = Path(path)
+            where = str(p)
+            if not p.is_file():
+                raise ConfigError(f"{p}: config file not found")
+            loaded = OmegaConf.load(p)
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"{p}: the top level must be a mapping of sections (data:, model:, ...), "
+                                  f"not a {type(loaded).__name__}")
+            layers.append(loaded)
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not key=value")
+        where = "the command line's overrides"
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        where = str(path) if path is not None else "the command line's overrides"
+        merged = OmegaConf.merge(*layers)
+    except yaml.YAMLError as e:  # syntax errors, and tags safe YAML refuses (!!python/object ...)
+        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(e)}") from None
+    except (ConfigKeyError, AttributeError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        raise ConfigError(f"unknown config key {key!r}{_suggest(str(key))}") from None
+    except ValidationError as e:
+        if not e.full_key:  # a section given a value ("data: 3")
+            raise ConfigError(f"{where}: {str(e).splitlines()[0].replace('Merge error: ', '')}") from None
+        raise ConfigError(f"config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
+    cfg = _to_dataclass(Config, OmegaConf.to_container(merged, resolve=True))
+    from jaxppo.config.checks import validate
+
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved config as a plain tree of dicts and lists (what W&B records for a run)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
