@@ -21,15 +21,17 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxppo import ppo
 from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticConfig, OptimConfig
+from jaxppo.accumulate import _without, minibatch_gradients, optimizer_step
+from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
-from jaxppo.sharding import activation_rules, batch_sharding
+from jaxppo.programs import Memory, Program
+from jaxppo.sharding import activation_rules
 
 Batch = dict[str, jax.Array]
 
@@ -61,27 +63,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
                      optax.adamw(schedule, b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
                                  weight_decay=cfg.weight_decay))
     return tx, schedule
-
-
-def split_micro(batch: Batch, n_micro: int, mesh: Mesh) -> Batch:
-    """[b, ...] -> [n_micro, b / n_micro, ...], each micro-batch spread over all batch shards (strided)."""
-
-    def one(x):
-        b = x.shape[0]
-        return jnp.swapaxes(x.reshape((b // n_micro, n_micro) + x.shape[1:]), 0, 1)
-
-    return constrain_micro(jax.tree.map(one, batch), mesh)
-
-
-def constrain_micro(batch: Batch, mesh: Mesh) -> Batch:
-    """[n_micro, batch, ...] arrays: the batch axis (rows, or packed rows / slots) over (data, fsdp)."""
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, axis=1)), batch)
-
-
-def merge_micro(x: jax.Array) -> jax.Array:
-    """Inverse of `split_micro` for one array."""
-    n, m = x.shape[:2]
-    return jnp.swapaxes(x, 0, 1).reshape((n * m,) + x.shape[2:])
 
 
 def _chunks(x: jax.Array, size: int) -> jax.Array:
@@ -189,33 +170,8 @@ def response_values(module: nn.Module, params: Any, batch: Batch, response_lengt
     return values[:, -response_length - 1:-1]
 
 
-def _without(spec: P, axis: str) -> P:
-    """`spec` with mesh axis `axis` removed (that dimension whole on each device)."""
-    def drop(e):
-        if isinstance(e, tuple):
-            return tuple(a for a in e if a != axis) or None
-        return None if e == axis else e
-
-    return P(*(drop(e) for e in spec))
-
-
-def _reduce_grad(g: jax.Array, spec: P, dtype: Any) -> jax.Array:
-    """Inside shard_map: one device's whole-parameter gradient sum -> the global sum of this device's shard
-    (reduce-scatter over fsdp along the dimension the parameter is sharded on; all-reduce over data),
-    communicated in `dtype`."""
-    out = g.dtype
-    g = g.astype(dtype)
-    dims = [i for i, e in enumerate(spec) if e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e)]
-    g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dims[0], tiled=True) if dims else jax.lax.psum(g, "fsdp")
-    return jax.lax.psum(g, "data").astype(out)
-
-
-def _norms(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jnp.sum(mask), jnp.sum(jnp.any(mask > 0, axis=-1))
-
-
 @dataclasses.dataclass
-class _Base:
+class _Base(DeviceBatches):
     """What the actor and critic engines share: mesh, jit plumbing, train state, micro-batch scans."""
 
     module: nn.Module
@@ -257,9 +213,9 @@ class _Base:
             raise ConfigError(f"mesh.grad_reduce_dtype={self.grad_reduce_dtype} applies where each device holds whole "
                               "parameters (mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this "
                               f"mesh is {dict(m)}")
-        self._param_specs = None  # PartitionSpecs of the parameter tree (from the first concrete params seen)
-        self._update_jit = None
-        self._forward_jit = None
+        self._param_specs = None  # PartitionSpecs of the parameter tree (from the first params seen)
+        self._update_jit: Program | None = None
+        self._forward_jit: Program | None = None
         self.frozen = None  # LoRA: the base weights (compute dtype), set by init_state
         if self.trainable is not None and self.gather_once:
             raise ConfigError("LoRA (lora_rank > 0) keeps the base weights outside the train state: use "
@@ -284,19 +240,6 @@ class _Base:
             opt_state = jax.jit(self.tx.init, out_shardings=shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), whole)  # on the mesh, like outputs
         return TrainState(params, opt_state, step)
-
-    def _n_micro(self, b: int, per_device: int) -> int:
-        micro = per_device * self.batch_shards
-        if b % micro:
-            raise ValueError(f"batch of {b} sequences is not a multiple of the micro-batch "
-                             f"({per_device} per device x {self.batch_shards} batch shards = {micro})")
-        return b // micro
-
-    def _micro_batches(self, batch: Batch, per_device: int) -> Batch:
-        """[n_micro, ...] micro-batches: a packed batch (jaxppo/packing.py) arrives split already."""
-        if "gather_idx" in batch:
-            return constrain_micro(batch, self.mesh)
-        return split_micro(batch, self._n_micro(batch["input_ids"].shape[0], per_device), self.mesh)
 
     def _remember_specs(self, params: Any) -> None:
         if self._param_specs is None:
@@ -324,110 +267,9 @@ class _Base:
         return out if "gather_idx" in batch else jax.tree.map(merge_micro, out)
 
     def compiles(self) -> int:
-        """Programs compiled so far by this engine's jitted forward and update (the `perf/compiles` metric)."""
-        return sum(f._cache_size() for f in (self._forward_jit, self._update_jit) if f is not None)
-
-    def pack(self, batch: dict[str, np.ndarray], budget: int, what: str):
-        """This process's rows of a padded host batch packed into one row per local batch shard and
-        micro-batch; with several processes the shapes are agreed on (the largest bucket wins)."""
-        from jaxppo import distributed as dist
-        from jaxppo.packing import pack
-
-        k = jax.process_count()
-        if self.batch_shards % k:
-            raise ValueError(f"{self.batch_shards} batch shards do not split over {k} processes")
-        local = self.batch_shards // k
-        known = self._packed_shapes.setdefault(what, set())
-        packed = pack(batch, self.response_length, budget, local, what, known=known)
-        while k > 1:  # every process the same shapes: repeat with the largest until all agree (they only grow)
-            keys = dist.gather_rows(np.array([packed.shape_key]))
-            n, s, row, runs = (int(v) for v in keys.max(0))
-            if (keys == (n, s, row, runs)).all():
-                break
-            packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s, row_len=row,
-                          min_runs=runs, known=known)
-        known.add(packed.shape_key)
-        return packed
-
-    def shard_packed(self, packed) -> Batch:
-        """A `jaxppo.packing.Packed` batch (this process's rows) -> global device arrays, rows / slots
-        spread over (data, fsdp)."""
-        self.compiled_shapes.add(packed.shape_key)
-        return self._to_global(packed.arrays, axis=1)
-
-    def _gradients(self, loss_fn: Callable, params: Any, minibatch: Batch, extra: Any = None):
-        """(gradients, per-micro-batch losses, per-micro-batch metrics) of a mini-batch: micro-batch losses
-        (already normalised by mini-batch counts) summed in one scan. A packed mini-batch (jaxppo/packing.py)
-        arrives already split into micro-batches. `extra` (e.g. the reference parameters of the exact-KL loss)
-        reaches every micro-batch's loss unchanged."""
-        micro = self._micro_batches(minibatch, self.micro_batch_per_device)
-        num_tokens, num_seqs = _norms(minibatch["response_mask"])
-        if "seq_count" in minibatch:  # packed rows are not sequences
-            num_seqs = jnp.sum(minibatch["seq_count"])
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-        def scan_grads(params, micro, num_tokens, num_seqs, extra):
-            # the first micro-batch's gradients start the sum (no zero-filled accumulator to write and add)
-            (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), num_tokens, num_seqs, extra)
-            if jax.tree.leaves(micro)[0].shape[0] == 1:
-                return grads, jax.tree.map(lambda x: x[None], (loss, metrics))
-
-            def body(acc, mb):
-                (loss, metrics), grads = grad_fn(params, mb, num_tokens, num_seqs, extra)
-                return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
-
-            grads, rest = jax.lax.scan(body, grads, jax.tree.map(lambda x: x[1:], micro))
-            return grads, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), (loss, metrics), rest)
-
-        if self.local_accumulation:
-            # each device sums the gradients of its own rows over all micro-batches; the devices combine
-            # their sums once, after the scan (left to the partitioner, the accumulator would be reduced
-            # after every micro-batch: seen in the compiled HLO). Gather-once fsdp: the compute-dtype copy is
-            # gathered on entry, gradients are reduce-scattered back to the parameters' shards on exit.
-            specs, dtypes = self._param_specs, jax.tree.map(lambda p: p.dtype, params)
-
-            def local(params, micro, num_tokens, num_seqs, extra):
-                # upcast: differentiate with respect to parameters of the master dtype, exactly as without
-                # the gather (bf16 -> fp32 -> bf16 is exact, and each use's cotangent is summed in fp32)
-                params = jax.tree.map(lambda p, d: p.astype(d), params, dtypes)
-                with nn.logical_axis_rules(()):  # inside: per-device arrays, no sharding constraints
-                    grads, aux = scan_grads(params, micro, num_tokens, num_seqs, extra)
-                reduce = lambda g, s: _reduce_grad(g, s, jnp.dtype(self.grad_reduce_dtype))
-                return jax.tree.map(reduce, grads, specs), jax.lax.psum(aux, ("data", "fsdp"))
-
-            micro_specs = jax.tree.map(lambda x: P(None, ("data", "fsdp")), micro)
-            shipped = self._compute_copy(params) if self.gather_once else params
-            return jax.shard_map(
-                local, mesh=self.mesh, in_specs=(P(), micro_specs, P(), P(), P()), out_specs=(specs, P()),
-                check_vma=False,
-            )(shipped, micro, num_tokens, num_seqs, extra)
-        return scan_grads(params, micro, num_tokens, num_seqs, extra)
-
-    def _accumulate(self, loss_fn: Callable, state: TrainState, minibatch: Batch, extra: Any = None
-                    ) -> tuple[TrainState, dict]:
-        """The mini-batch's summed gradients (`_gradients`), then one clipped AdamW step unless the loss or
-        gradients are not finite or a guard fires. Metrics are summed over micro-batches (they are
-        normalised alike)."""
-        grads, (losses, metrics) = self._gradients(loss_fn, state.params, minibatch, extra)
-        grad_norm = optax.global_norm(grads)
-        metrics = jax.tree.map(jnp.sum, metrics)
-        loss = jnp.sum(losses)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        ok = finite
-        for name, (kind, bound) in self.guards.items():
-            v = grad_norm if name == "grad_norm" else metrics[name]
-            ok &= (v <= bound) if kind == "max" else (v >= bound)
-
-        def apply(_):
-            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-            return optax.apply_updates(state.params, updates), opt_state
-
-        # a branch, not a select over the new and old trees: a healthy step reads and writes the
-        # parameters and optimizer state once
-        params, opt_state = jax.lax.cond(ok, apply, lambda _: (state.params, state.opt_state), None)
-        metrics.update(loss=loss, grad_norm=grad_norm, lr=self.schedule(state.step),
-                       skipped=1.0 - ok.astype(jnp.float32), nonfinite=1.0 - finite.astype(jnp.float32))
-        return TrainState(params, opt_state, state.step + ok.astype(state.step.dtype)), metrics
+        """Programs compiled so far by this engine's forward and update, ahead of time for the memory plan or at
+        a call with a new signature (the `perf/compiles` metric)."""
+        return sum(f.compiles() for f in (self._forward_jit, self._update_jit) if f is not None)
 
     def _extra(self, ref: Any = None) -> dict:
         """What every loss reads besides the trainable parameters and the batch: the frozen base weights
@@ -446,38 +288,51 @@ class _Base:
         """The gradient `update` would apply to `params` for this mini-batch, before clipping (for
         cross-framework comparison; not on the training path)."""
         self._remember_specs(params)
-        fn = jax.jit(lambda p, b, e: self._gradients(self._loss, p, b, e)[0])
+        fn = jax.jit(lambda p, b, e: minibatch_gradients(self, self._loss, p, b, e)[0])
         with self._ctx():
             return fn(params, minibatch, self._extra(ref if getattr(self, "full_kl", False) else None))
 
     def update(self, state: TrainState, minibatch: Batch, ref: Any = None) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch (the state's buffers are donated)."""
-        if self._update_jit is None:
-            self._update_jit = self._jit_step(self._loss, state)
+        program = self.update_program(state)
         with self._ctx():
-            return self._update_jit(state, minibatch, self._extra(ref))
+            return program(state, minibatch, self._extra(ref))
 
-    def _jit_step(self, loss_fn: Callable, state: TrainState) -> Callable:
+    def update_program(self, state: TrainState) -> Program:
+        """The mini-batch update's program (built from `state`'s shardings, abstract or concrete, on first use)."""
+        if self._update_jit is None:
+            self._update_jit = self._jit_step(self._loss, state, "update")
+        return self._update_jit
+
+    def compile_update(self, state: TrainState, minibatch: Batch, frozen: Any = None, ref: Any = None) -> Memory:
+        """Compile the update for these (abstract) arguments and return XLA's memory for it; the executable is
+        kept for the run."""
+        program = self.update_program(state)
+        with self._ctx():
+            return program.memory(state, minibatch, {"frozen": frozen, "ref": ref})
+
+    def _jit_step(self, loss_fn: Callable, state: TrainState, name: str) -> Program:
         # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
         # P(None, None)) and the second call, seeing "different" input shardings, compiles again
         shardings = jax.tree.map(lambda x: x.sharding, state)
         self._remember_specs(state.params)
-        return jax.jit(lambda s, b, e: self._accumulate(loss_fn, s, b, e), donate_argnums=0,
+        return Program(lambda s, b, e: optimizer_step(self, loss_fn, s, b, e), name=name, donate_argnums=(0,),
                        out_shardings=(shardings, None))
 
-    def shard_batch(self, batch: dict[str, np.ndarray]) -> Batch:
-        """Host arrays -> global arrays sharded over (data, fsdp) (this process's rows when multi-process)."""
-        return self._to_global(batch, axis=0)
+    def abstract_state(self, params: Any) -> tuple[TrainState, Any]:
+        """(train state, frozen base) as ShapeDtypeStructs in the shardings `init_state` creates, from abstract
+        parameters with their shardings: what the memory plan compiles against before anything is allocated."""
+        frozen = None
+        if self.trainable is not None:
+            from jaxppo.models.lora import split
 
-    def _to_global(self, batch: dict[str, np.ndarray], axis: int) -> Batch:
-        out = {}
-        for k, v in batch.items():
-            sharding = batch_sharding(self.mesh, np.ndim(v), axis)
-            if jax.process_count() > 1:
-                out[k] = jax.make_array_from_process_local_data(sharding, np.asarray(v))
-            else:
-                out[k] = jax.device_put(np.asarray(v), sharding)
-        return out
+            params, frozen = split(params, self.trainable)
+        whole = NamedSharding(self.mesh, P())
+        abstract_opt = jax.eval_shape(self.tx.init, params)
+        shardings = optax.tree_map_params(self.tx, lambda _, p: p.sharding, abstract_opt, params,
+                                          transform_non_params=lambda _: whole)
+        opt = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract_opt, shardings)
+        return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=whole)), frozen
 
 
 class _Ctx:
@@ -516,15 +371,24 @@ class ActorEngine(_Base):
         `truncation=(top_k, top_p)` a third array: the log-probs under the distribution the rollout engine
         samples from (`response_head`). For a packed batch (`shard_packed`), [n_micro, slots, r]
         (`Packed.unpack` restores the order)."""
+        with self._ctx():
+            return self.forward_program(params)(params, self.frozen, batch, with_entropy, truncation)
+
+    def forward_program(self, params: Any) -> Program:
         self._remember_specs(params)
         if self._forward_jit is None:
             def fwd(p, f, b, e, trunc):
                 out = self._forward_map(lambda pp, mb: self._head(self.full(pp, f), mb, e, trunc), p, b)
                 return (out["logprobs"], out["entropy"]) + ((out["sampling_logprobs"],) if trunc else ())
 
-            self._forward_jit = jax.jit(fwd, static_argnums=(3, 4))
+            self._forward_jit = Program(fwd, name="log-probs", static_argnums=(3, 4))
+        return self._forward_jit
+
+    def compile_logprobs(self, params: Any, frozen: Any, batch: Batch, with_entropy: bool = False,
+                         truncation: tuple[int, float] | None = None) -> Memory:
+        """Compile `logprobs` for these (abstract) arguments; XLA's memory for it (the executable is kept)."""
         with self._ctx():
-            return self._forward_jit(params, self.frozen, batch, with_entropy, truncation)
+            return self.forward_program(params).memory(params, frozen, batch, with_entropy, truncation)
 
     def update(self, state: TrainState, minibatch: Batch, ref_params: Any = None) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch; `ref_params`: the reference policy (the exact-KL loss,
@@ -573,7 +437,7 @@ class ActorEngine(_Base):
 
     def sft_update(self, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
         if getattr(self, "_sft_jit", None) is None:
-            self._sft_jit = self._jit_step(self._sft_loss, state)
+            self._sft_jit = self._jit_step(self._sft_loss, state, "sft update")
         with self._ctx():
             return self._sft_jit(state, minibatch, self._extra())
 
@@ -588,12 +452,20 @@ class CriticEngine(_Base):
                          cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype, trainable)
 
     def values(self, params: Any, batch: Batch) -> jax.Array:
+        with self._ctx():
+            return self.forward_program(params)(params, self.frozen, batch)
+
+    def forward_program(self, params: Any) -> Program:
         self._remember_specs(params)
         if self._forward_jit is None:
-            self._forward_jit = jax.jit(lambda p, f, b: self._forward_map(
-                lambda pp, mb: response_values(self.module, self.full(pp, f), mb, self.response_length), p, b))
+            self._forward_jit = Program(lambda p, f, b: self._forward_map(
+                lambda pp, mb: response_values(self.module, self.full(pp, f), mb, self.response_length), p, b),
+                name="values")
+        return self._forward_jit
+
+    def compile_values(self, params: Any, frozen: Any, batch: Batch) -> Memory:
         with self._ctx():
-            return self._forward_jit(params, self.frozen, batch)
+            return self.forward_program(params).memory(params, frozen, batch)
 
     def _loss(self, params, mb, num_tokens, num_seqs, extra=None):
         vpreds = response_values(self.module, self.full(params, (extra or {}).get("frozen")), mb, self.response_length)

@@ -1,38 +1,23 @@
-"""The GPU memory plan: how the card is split between vLLM and JAX, what JAX will hold, and the token
-budgets that fit — estimated from the model's shape before anything is allocated (docs/memory.md).
+"""The card's split between vLLM and JAX, JAX's reservation, and the fitted constants that seed the compiled
+memory plan's budget search (`jaxppo/plan.py` decides; docs/memory.md).
 
-The split: vLLM takes `rollout.gpu_memory_utilization` (u) of the card for weights + KV cache and checks at
-start that it is free; JAX takes 1 - u - MARGIN of it as one allocation at start
-(`XLA_PYTHON_CLIENT_PREALLOCATE=true`, `XLA_PYTHON_CLIENT_MEM_FRACTION`), so the two never compete. vLLM sleeps
-while JAX trains (KV cache freed, weights dropped: level 2) and wakes for generation. The variables must be
-set before JAX initialises its GPU backend, which is why `jaxppo.train` applies the plan first.
+The split: `jaxppo.plan` compiles the step's programs and knows what JAX needs per device; JAX takes exactly that
+(`reserve`: one allocation made and freed before anything else, so XLA's allocator holds it as one region that
+the states and every program's temporaries are carved from), then vLLM starts with the rest of the card (less
+MARGIN for CUDA contexts), or with `rollout.gpu_memory_utilization` when set. JAX runs with
+`XLA_PYTHON_CLIENT_PREALLOCATE=false` and `XLA_PYTHON_CLIENT_MEM_FRACTION` as a ceiling only; both must be set
+before JAX initialises its GPU backend, which is why `jaxppo.train` calls `apply` first.
 
-Why JAX preallocates: grown on demand, XLA's BFC allocator adds regions of doubling size (2 MiB, 4 MiB, ...,
-32 GiB) and never returns them; an executable's temporaries are one contiguous buffer. On the H200 the 1.5B
-PPO run's states (37.4 GiB) had grown the pool to 64 GiB of regions by the first update, and the critic
-update's 49.5 GiB (budget 12288) or 56.0 GiB (16384) temporary then fit neither a free chunk of those
-regions nor the 40.9 GiB left to grow into: out of memory with 67 GiB of the limit unused (2026-12-01,
-docs/benchmarks.md "PPO step"). One region of the whole limit has no such ceiling.
+Why one region: grown on demand, XLA's BFC allocator adds regions of doubling size (2 MiB, 4 MiB, ..., 32 GiB) and
+never returns them; an executable's temporaries are one contiguous buffer. On the H200 the 1.5B PPO run's states
+(37.4 GiB) had grown the pool to 64 GiB of regions by the first update, and the critic update's 49.5 GiB temporary
+then fit neither a free chunk of those regions nor the 40.9 GiB left to grow into (2026-12-01, docs/benchmarks.md
+"PPO step"). Until 2026-12-02 JAX preallocated `1 - u - MARGIN` of the card at start for the same reason; the
+reservation gives the same single region, sized by the compiler's plan instead of a guess made before it.
 
-What JAX holds, per device (sharded states divided by mesh.fsdp x mesh.tensor):
-  actor        fp32 master weights + AdamW's two moments (12 bytes per parameter)
-  critic       the same for the value model (no vocabulary head)
-  reference    the reference policy in the compute dtype (2 bytes per parameter in bf16)
-  update       an update's gradients and optimizer temporaries: UPDATE_PER_PARAM x the trained parameters'
-               fp32 bytes, for the larger of the two models (one update runs at a time)
-  activations  per token of a micro-batch, by remat policy, plus the vocabulary head's logits
-  overhead     CUDA context, cuDNN / cuBLAS workspaces, batch buffers
-An update's temporaries are empirical, fitted as an upper bound to what XLA asked for on the H200 (jax 0.11.2,
-packed rows, unrolled layers, dots_attn): the 1.5B critic update asked 49.45 GiB at a 12288-token budget,
-56.03 GiB at 16384, 71.26 GiB at 23552 and 74.21 GiB at 32768 (rows of ~24.5k tokens) — about 26 GiB that
-does not grow with the budget (UPDATE_PER_PARAM = 4.5 x its 5.75 GiB of fp32 parameters) plus 25
-hidden-sized bf16 vectors per token per decoder layer (plan: 50.5, 58.7, 73.1, 75.1 GiB); the 0.5B step
-(budgets 32768) peaked at 51.8 GiB, 11.9 GiB of it states (plan: 53.0); the 1.5B step at its planned budgets
-(critic update 14336) at 94.5 GiB, 37.4 of it states, 2.6 GiB above states + the planned critic update: the
-overhead (3 GiB) covers such buffers, and the peaks are checked against the plan with it. With full remat the
-1.5B critic asked 30.9 GiB at ~24.5k tokens (3 vectors beside the same constant). `dots` and `none` are scaled from
-dots_attn by the residuals they keep (not measured). Rows shorter than the budget hold less: an upper bound.
-tests/test_memory_plan.py checks the plan against these requests as the ledger records them.
+The constants below were fitted as upper bounds of what XLA asked for on the H200 (jax 0.11.2, packed rows,
+unrolled layers, dots_attn) at three model shapes; they failed on the first shapes they were not fitted to (the 7B
+LoRA update asked 125 GiB against a plan of 65). They now only give the budget search its first guess.
 """
 
 from __future__ import annotations
@@ -60,20 +45,42 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # ------------------------------------------------------------------ the vLLM / JAX split
 
 
-def plan(gpu_memory_utilization: float) -> dict[str, str]:
-    """Environment for JAX given vLLM's share of the card."""
-    if not 0.0 < gpu_memory_utilization < 1.0 - MARGIN:
-        raise ValueError(f"rollout.gpu_memory_utilization must be in (0, {1 - MARGIN}), got {gpu_memory_utilization}")
-    jax_share = 1.0 - gpu_memory_utilization - MARGIN
-    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{jax_share:.3f}"}
+AUTO_VLLM_FLOOR = 0.03  # of the card kept from JAX's ceiling with an automatic split (vLLM's weights, one sequence)
+
+
+def backend_env(gpu_memory_utilization: float) -> dict[str, str]:
+    """Environment for JAX beside in-process vLLM: no preallocation (JAX reserves its planned need, `reserve`), and a
+    ceiling of 1 - u - MARGIN of the card (automatic split, u = 0: 1 - MARGIN - AUTO_VLLM_FLOOR)."""
+    u = gpu_memory_utilization
+    if not 0.0 <= u < 1.0 - MARGIN:
+        raise ValueError(f"rollout.gpu_memory_utilization must be in [0, {1 - MARGIN}), got {u}")
+    ceiling = 1.0 - u - MARGIN if u > 0 else 1.0 - MARGIN - AUTO_VLLM_FLOOR
+    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{ceiling:.3f}"}
 
 
 def apply(gpu_memory_utilization: float) -> dict[str, str]:
-    """Set the plan's variables (those the user set explicitly win) and return what is in force."""
-    env = plan(gpu_memory_utilization)
+    """Set `backend_env`'s variables (those the user set explicitly win) and return what is in force."""
+    env = backend_env(gpu_memory_utilization)
     for k, v in env.items():
         os.environ.setdefault(k, v)
     return {k: os.environ[k] for k in env}
+
+
+def reserve(nbytes: int) -> None:
+    """Make XLA's allocator hold `nbytes` on the first GPU as one region, before anything else is allocated there: one
+    buffer of that size, freed at once (the allocator keeps the region). Nothing on CPU, with `nbytes` 0, or where
+    JAX preallocated its share anyway."""
+    import jax
+
+    if nbytes <= 0 or jax.default_backend() != "gpu" or \
+            os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() != "false":
+        return
+    import jax.numpy as jnp
+
+    rows = -(-int(nbytes) // (4 << 20))  # 4 MiB rows: no dimension past int32
+    block = jax.device_put(jnp.zeros((rows, 1 << 20), jnp.float32), jax.local_devices()[0])
+    block.block_until_ready()
+    block.delete()
 
 
 def jax_fraction() -> float:
@@ -179,83 +186,6 @@ def _phase_tokens(cfg: Any, sub: Any, budget: int, per_device: int) -> tuple[int
     return per_device * seq, per_device
 
 
-@dataclasses.dataclass
-class MemoryEstimate:
-    components: dict[str, float]  # bytes per device, the peak phase's
-    peak_phase: str
-    jax_limit: float | None  # bytes JAX may use per device (None: unknown card)
-    card: float | None
-    vllm_bytes: float | None  # vLLM's share of the card
-    vllm_needs: float  # weights + a full batch's KV cache + activations and graphs
-
-    @property
-    def total(self) -> float:
-        return sum(self.components.values())
-
-    @property
-    def fits(self) -> bool:
-        return self.jax_limit is None or self.total <= self.jax_limit
-
-    def table(self) -> str:
-        gb = lambda b: f"{b / GiB:7.1f} GiB"  # noqa: E731
-        lines = [f"memory plan per device (peak phase: {self.peak_phase}):"]
-        lines += [f"  {k:<38}{gb(v)}" for k, v in self.components.items()]
-        lines.append(f"  {'JAX total':<38}{gb(self.total)}")
-        if self.card:
-            lines.append(f"  {'JAX limit':<38}{gb(self.jax_limit)}  ({self.jax_limit / self.card:.2f} of a "
-                         f"{self.card / GiB:.0f} GiB card)")
-            if self.vllm_bytes is not None:
-                lines.append(f"  {'vLLM share':<38}{gb(self.vllm_bytes)}  (needs about {self.vllm_needs / GiB:.1f} "
-                             "GiB: weights, the batch's KV cache, graphs)")
-        return "\n".join(lines)
-
-
-def vllm_needs(cfg: Any, model: ModelConfig) -> float:
-    """Weights in the compute dtype, the KV cache of a whole step's sequences at full length, and ~1.5 GiB of
-    activations, CUDA graphs and allocator slack."""
-    d = cfg.data
-    s = DTYPE_BYTES[cfg.model.dtype]
-    kv_per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * s
-    seqs = d.train_batch_size * cfg.rollout.n
-    return model.num_params() * s + kv_per_token * seqs * (d.max_prompt_length + d.max_response_length) + 1.5 * GiB
-
-
-def phases(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int,
-           budgets: TokenBudgets) -> dict[str, dict[str, float]]:
-    """What each phase of a step holds beside the run's states, per device: {phase: {component: bytes}}."""
-    out = {}
-    a, c = cfg.actor, cfg.critic
-    t_actor, t_critic = trainable_params(cfg, actor, critic)
-    t, r = _phase_tokens(cfg, a, budgets.actor_forward, a.log_prob_micro_batch_size_per_device)
-    out["actor forward"] = {"activations (actor forward)": activation_bytes(cfg, actor, t, r, False, True)}
-    t, r = _phase_tokens(cfg, a, budgets.actor_update, a.ppo_micro_batch_size_per_device)
-    out["actor update"] = {"update temporaries (actor)": UPDATE_PER_PARAM * t_actor / shards,
-                           "activations (actor update)": activation_bytes(cfg, actor, t, r, True, True)}
-    if critic is not None:
-        t, r = _phase_tokens(cfg, c, budgets.critic_forward, c.log_prob_micro_batch_size_per_device)
-        out["critic forward"] = {"activations (critic forward)": activation_bytes(cfg, critic, t, r, False, False)}
-        t, r = _phase_tokens(cfg, c, budgets.critic_update, c.ppo_micro_batch_size_per_device)
-        out["critic update"] = {"update temporaries (critic)": UPDATE_PER_PARAM * t_critic / shards,
-                                "activations (critic update)": activation_bytes(cfg, critic, t, r, True, False)}
-    return out
-
-
-def estimate(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int, card: float | None,
-             budgets: TokenBudgets) -> MemoryEstimate:
-    """JAX's peak per device over the step's phases (forward passes, critic update, actor update)."""
-    fixed = state_bytes(cfg, actor, critic, shards)
-    phases_ = phases(cfg, actor, critic, shards, budgets)
-    peak = max(phases_, key=lambda k: sum(phases_[k].values()))
-    comps = dict(fixed, **phases_[peak], overhead=float(OVERHEAD_BYTES))
-    u = cfg.rollout.gpu_memory_utilization
-    vllm = cfg.rollout.engine == "vllm"
-    limit = None
-    if card is not None:
-        limit = (1.0 - u - MARGIN) * card if vllm else jax_fraction() * card
-    return MemoryEstimate(comps, peak, limit, card, u * card if (card and vllm) else None,
-                          vllm_needs(cfg, actor) if vllm else 0.0)
-
-
 def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shards: int,
                   card: float | None) -> TokenBudgets:
     """The token budgets in force: a user's (> 0) as given, else (0: auto) the largest multiple of 1024 up to
@@ -292,62 +222,6 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
                                                                 False))
 
 
-def check(cfg: Any, est: MemoryEstimate, budgets: TokenBudgets) -> None:
-    """A configuration that cannot fit raises ConfigError (exit 2) saying what to change."""
-    if est.card is None:
-        return
-    advice = []
-    if not est.fits:
-        over = est.total - est.jax_limit
-        advice.append(f"JAX needs about {est.total / GiB:.1f} GiB per device at its peak ({est.peak_phase}) but may "
-                      f"use {est.jax_limit / GiB:.1f} GiB ({over / GiB:.1f} GiB over)")
-        states = sum(v for k, v in est.components.items() if not k.startswith(("activations", "overhead")))
-        sub = "actor" if "actor" in est.peak_phase else "critic"
-        if states + OVERHEAD_BYTES > AUTO_HEADROOM * est.jax_limit:
-            shards = cfg.mesh.fsdp * cfg.mesh.tensor
-            need = int(-(-states * shards // (0.6 * est.jax_limit)))
-            advice.append(f"the weights, optimizer states and gradients alone need {states / GiB:.1f} GiB per device: "
-                          f"shard them over more devices (mesh.fsdp={max(need, 2)} or more)")
-        elif getattr(cfg, sub).use_dynamic_bsz:
-            key = ("ppo_max_token_len_per_device" if "update" in est.peak_phase else
-                   ("log_prob_max_token_len_per_device" if sub == "actor" else "forward_max_token_len_per_device"))
-            advice.append(f"lower {sub}.{key} (now {getattr(budgets, est.peak_phase.replace(' ', '_'))}; 0 picks the "
-                          f"largest that fits)")
-        else:
-            advice.append(f"lower {sub}.ppo_micro_batch_size_per_device / log_prob_micro_batch_size_per_device, or "
-                          f"pack sequences ({sub}.use_dynamic_bsz=true with token budgets 0: the largest that fits)")
-        if est.vllm_bytes and est.vllm_bytes > 1.5 * est.vllm_needs:
-            advice.append(f"lower rollout.gpu_memory_utilization (now {cfg.rollout.gpu_memory_utilization}: "
-                          f"{est.vllm_bytes / GiB:.1f} GiB for vLLM, which needs about {est.vllm_needs / GiB:.1f})")
-    if est.vllm_bytes is not None and est.vllm_bytes < est.vllm_needs * 0.5:
-        advice.append(f"vLLM's share ({est.vllm_bytes / GiB:.1f} GiB, rollout.gpu_memory_utilization="
-                      f"{cfg.rollout.gpu_memory_utilization}) cannot hold the weights and a useful KV cache (about "
-                      f"{est.vllm_needs / GiB:.1f} GiB for the whole batch): raise it")
-    if advice:
-        raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(advice) + "\n" + est.table())
-
-
-def plan_for_config(cfg: Any, num_devices: int) -> tuple[MemoryEstimate, TokenBudgets] | None:
-    """The memory estimate and token budgets of a config, from the model directories' config.json alone
-    (nothing loaded or allocated); None for the embedded default (its tiny model is made at start)."""
-    if cfg.model.path is None:
-        return None
-    from jaxppo.models.config import load_config as load_model_config
-    from jaxppo.sharding import resolve_mesh_shape
-
-    actor, _ = load_model_config(cfg.model.path)
-    from jaxppo.config import uses_critic
-
-    critic = None
-    if uses_critic(cfg):
-        critic = load_model_config(cfg.model.critic_path)[0] if cfg.model.critic_path else actor
-    sizes = resolve_mesh_shape(cfg.mesh.axes(), num_devices)
-    shards = sizes["fsdp"] * sizes["tensor"]
-    card = card_bytes(cfg.trainer.device_memory_gb)
-    budgets = token_budgets(cfg, actor, critic, shards, card)
-    return estimate(cfg, actor, critic, shards, card, budgets), budgets
-
-
 def held_bytes(tree: Any, device: Any = None) -> int:
     """Bytes of the distinct device buffers behind `tree`'s arrays on `device` (default: the first local one): what
     a state really holds there, an array and its views counted once."""
@@ -363,13 +237,11 @@ def held_bytes(tree: Any, device: Any = None) -> int:
     return sum(seen.values())
 
 
-def describe(gpu_memory_utilization: float, jax_limit_bytes: int | None) -> str:
-    """One line for the log; `jax_limit_bytes` is JAX's `bytes_limit` (its fraction of the card)."""
-    jax_frac = jax_fraction()
-    total_bytes = jax_limit_bytes / jax_frac if jax_limit_bytes else None
-    if total_bytes:
-        gb = total_bytes / GiB
-        return (f"GPU memory plan: {gb:.0f} GiB card; vLLM {gpu_memory_utilization:.2f} = "
-                f"{gb * gpu_memory_utilization:.1f} GiB (weights + KV cache, asleep during training); "
-                f"JAX {jax_frac:.2f} = {gb * jax_frac:.1f} GiB (one allocation at start)")
-    return f"GPU memory plan: vLLM {gpu_memory_utilization:.2f} of the card, JAX up to {jax_frac:.2f}"
+def describe(plan: Any, jax_limit_bytes: int | None) -> str:
+    """One line for the log: the card, vLLM's share, JAX's reservation and ceiling."""
+    if not jax_limit_bytes or plan is None or plan.vllm is None:
+        return "GPU memory plan: JAX grows on demand"
+    card = jax_limit_bytes / jax_fraction()
+    return (f"GPU memory plan: {card / GiB:.0f} GiB card; vLLM {plan.vllm.utilization:.3f} = {plan.vllm.bytes / GiB:.1f} "
+            f"GiB (weights + KV cache, asleep during training); JAX reserves {plan.need / GiB:.1f} GiB (its compiled "
+            f"peak + margin; ceiling {jax_fraction():.2f} of the card)")

@@ -365,7 +365,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
         old_lp = a_out(out[0])
         sampling_lp = a_out(out[2]) if ctx.truncation else old_lp
     ref_lp = None
-    if state.ref_params is not None and _needs_ref_logprobs(cfg):
+    if state.ref_params is not None and needs_ref_logprobs(cfg):
         with timer("ref"):
             ref_lp = a_out(ctx.actor.logprobs(state.ref_params, a_in)[0])
     values = None
@@ -416,7 +416,18 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     return state, Experience(batch, cbatch, metrics, lengths, g["lengths"])
 
 
-def _needs_ref_logprobs(cfg: Config) -> bool:
+def update_keys(cfg: Config, has_ref: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The per-token arrays the actor's and the critic's update batches carry beside the sequences (what `collect`
+    puts there; the memory plan compiles the updates for them)."""
+    actor = ["old_logprobs", "advantages"]
+    if has_ref and needs_ref_logprobs(cfg):
+        actor.append("ref_logprobs")
+    if cfg.actor.tis_threshold is not None:
+        actor.append("is_weights")
+    return tuple(actor), ("values", "returns")
+
+
+def needs_ref_logprobs(cfg: Config) -> bool:
     """Reference log-probs of the sampled tokens: KL in the reward, or a KL loss with a per-token estimator
     (the exact KL, `kl_loss_type=full`, runs the reference inside the update instead)."""
     a = cfg.actor
@@ -499,5 +510,5 @@ def perf_metrics(ctx: StepContext, times: dict[str, float], exp: Experience, pea
     return m
 
 
-__all__ = ["Timer", "PPOState", "StepContext", "Experience", "awake", "decode", "sample", "collect", "update",
+__all__ = ["update_keys", "needs_ref_logprobs", "Timer", "PPOState", "StepContext", "Experience", "awake", "decode", "sample", "collect", "update",
            "score", "advantages", "perf_metrics"]

@@ -29,7 +29,7 @@ def make_engine_factory(cfg):
         tok = trainer.tokenizer
         return make_engine(cfg.rollout.engine, model_dir=model_dir, dtype=trainer.engine_dtype,
                            eos_token_ids=trainer.eos_ids, pad_token_id=tok.pad_token_id,
-                           gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                           gpu_memory_utilization=trainer.vllm_utilization,
                            enforce_eager=cfg.rollout.enforce_eager, cudagraph_mode=cfg.rollout.cudagraph_mode,
                            seed=cfg.trainer.seed,
                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
@@ -71,23 +71,14 @@ def main(argv: list[str] | None = None) -> int:
             from jaxppo.config import validate_processes
 
             validate_processes(cfg, jax.process_count())
-        from jaxppo import memory
-
-        planned = None if cfg.trainer.val_only else memory.plan_for_config(cfg, jax.device_count())
-        if planned is not None:  # a run that cannot fit the card stops here, before anything is allocated
-            memory.check(cfg, *planned)
     except JaxppoError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if cfg.trainer.val_only:
         return validate_only(cfg)
+    if cfg.trainer.plan_only:
+        return plan_only(cfg)
     from jaxppo.trainer import PPOTrainer
-
-    if cfg.rollout.engine == "vllm" and jax.default_backend() == "gpu":
-        from jaxppo import memory
-
-        stats = jax.local_devices()[0].memory_stats() or {}
-        logging.getLogger("jaxppo").info(memory.describe(cfg.rollout.gpu_memory_utilization, stats.get("bytes_limit")))
 
     try:
         with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
@@ -99,6 +90,27 @@ def main(argv: list[str] | None = None) -> int:
     head = "done" if trainer.stop_reason is None else f"stopped ({trainer.stop_reason})"
     print(f"{head}: step {trainer.step}/{trainer.total_steps}  {summary}  run dir: {trainer.run_dir}")
     return trainer.exit_code
+
+
+def plan_only(cfg) -> int:
+    """`trainer.plan_only=true`: compile the step's programs, print the memory plan, exit 0 if it fits, 2 if not
+    (saying what to change); no rollout engine, no states, no run directory."""
+    import shutil
+
+    from jaxppo import start
+
+    try:
+        prep = start.prepare(cfg, quiet=True)
+    except JaxppoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if prep.staging is not None:
+        shutil.rmtree(prep.staging, ignore_errors=True)
+    print(prep.plan.table())
+    print(f"token budgets per device per micro-batch: {prep.plan.budgets}")
+    print(f"plan: fits ({prep.plan.need / 2**30:.2f} GiB per device for JAX"
+          + (f", {prep.plan.jax_limit / 2**30:.2f} GiB allowed)" if prep.plan.jax_limit else "; no card to check)"))
+    return 0
 
 
 def validate_only(cfg) -> int:

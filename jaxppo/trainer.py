@@ -15,30 +15,27 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from jaxppo import distributed as dist
 from jaxppo import memory
+from jaxppo import start
 from jaxppo import step as ppo_step
 from jaxppo import validation
 from jaxppo.checkpoint import RunCheckpointer, restore_from
-from jaxppo.config import Config, config_dict, to_yaml, uses_critic
-from jaxppo.data import ResumableSampler
+from jaxppo.config import Config, config_dict, to_yaml
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.errors import ConfigError
 from jaxppo.health import HealthMonitor, update_guards
 from jaxppo.metrics import MetricsLogger
 from jaxppo.models import load_model, save_hf_checkpoint
-from jaxppo.models.config import load_config as load_model_config
 from jaxppo.models.hf_io import HFWeights
-from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, zeros_like_adapters
+from jaxppo.models.lora import LoRAWeights
 from jaxppo.rewards import custom as custom_reward
 from jaxppo.rewards.workers import pool as reward_pool, resolve as resolve_workers
 from jaxppo.perf import device_peak_flops, flops_model, gc_clock
 from jaxppo.rollout import RolloutEngine
-from jaxppo.setup import (DTYPES, attention_impl, check_tokenizer, check_warm_model, engine_dtype, make_run_dir, prepare_data, prepare_model_dir,
+from jaxppo.setup import (DTYPES, check_warm_model, engine_dtype, make_run_dir, prepare_model_dir,
                           truncate_metrics, write_atomic)
-from jaxppo.sharding import make_mesh
 from jaxppo.step import PPOState, StepContext, Timer
 from jaxppo.warmstart import sft_warm_start
 
@@ -64,102 +61,59 @@ class PPOTrainer:
         self.cfg = cfg
         t = cfg.trainer
         enable_compilation_cache(t.compilation_cache_dir)
-        self.run_dir = make_run_dir(cfg)
         self.main = jax.process_index() == 0  # writes the config, metrics and logs; every process checkpoints
-        self.mesh = make_mesh(cfg.mesh.axes())
-        self.tokenizer, self.tokenizer_dir, train_ds, val_ds = prepare_data(cfg, self.run_dir)
+        # the memory plan first, from abstract states (jaxppo/start.py): a run that cannot fit stops here
+        prep = start.prepare(cfg)
+        self.plan, self.mesh, self.sampler, self.total_steps = prep.plan, prep.mesh, prep.sampler, prep.total_steps
+        self.run_dir = make_run_dir(cfg)
+        start.adopt(prep, self.run_dir)
+        self.tokenizer, self.tokenizer_dir, self.train_ds = prep.tokenizer, prep.tokenizer_dir, prep.train_ds
         self.model_dir = prepare_model_dir(cfg, self.run_dir, self.tokenizer)
-        # dynamic sampling draws generation rounds of data.gen_batch_size prompts (see ppo_step.sample)
-        round_size = (cfg.data.gen_batch_size or cfg.data.train_batch_size) if cfg.algorithm.filter_groups.enable \
-            else cfg.data.train_batch_size
-        self.sampler = ResumableSampler(len(train_ds), round_size, cfg.data.seed, cfg.data.shuffle)
-        self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        b = prep.build
+        self.model_cfg, self.actor_module = b.actor_cfg, b.actor.module
         self.eos_ids = tuple(sorted({self.tokenizer.eos_token_id}))
         self.engine_dtype = engine_dtype(cfg)
-        self.use_critic = uses_critic(cfg)
-        self.model_cfg, _ = load_model_config(self.model_dir)
-        check_tokenizer(self.tokenizer, self.tokenizer_dir, self.model_cfg, self.model_dir)
-        check_warm_model(self.run_dir / "warm_model", self.model_cfg, self.model_dir)
-        critic_cfg = load_model_config(cfg.model.critic_path)[0] if cfg.model.critic_path else self.model_cfg
-        shards = self.mesh.shape["fsdp"] * self.mesh.shape["tensor"]
-        card = memory.card_bytes(t.device_memory_gb)
-        budgets = memory.token_budgets(cfg, self.model_cfg, critic_cfg if self.use_critic else None, shards, card)
-        self.memory_estimate = memory.estimate(cfg, self.model_cfg, critic_cfg if self.use_critic else None, shards,
-                                               card, budgets)
-        log.info("%s\ntoken budgets per device per micro-batch: %s", self.memory_estimate.table(), budgets)
-        # the rollout engine starts before JAX allocates anything: vLLM checks at start that its share of the
-        # card is free (JAX grows into the rest; docs/memory.md)
+        self.use_critic = b.critic is not None
+        self.warm_dir = self.run_dir / "warm_model"
+        check_warm_model(self.warm_dir, self.model_cfg, self.model_dir)
+        # JAX's share of the card is taken now, before the rollout engine starts (vLLM checks at start that its
+        # share is free); the states are then created inside it (docs/memory.md)
+        memory.reserve(self.plan.need if self.plan.vllm is not None else 0)
+        if self.plan.vllm is not None and jax.default_backend() == "gpu":
+            log.info(memory.describe(self.plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")))
         engine = engine_factory(self.model_dir, self)
         if cfg.rollout.free_cache_engine:
             engine.sleep()
-
-        compute = DTYPES[cfg.model.dtype]
-        kw = dict(mesh=self.mesh, dtype=compute, param_dtype=DTYPES[cfg.model.param_dtype],
-                  remat=cfg.model.remat, attention_impl=attention_impl(cfg), random_init=cfg.model.random_init,
-                  attention_window=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                  scan_unroll=cfg.model.scan_unroll)
-        a, c = cfg.actor, cfg.critic
-        # LoRA: adapters on the chosen projections; the frozen base is stored in the compute dtype
-        actor_lora, critic_lora = spec_from(a), spec_from(c)
-        lora_kw = lambda spec: dict(kw, lora=spec, param_dtype=compute) if spec.rank else kw  # noqa: E731
-        R = cfg.data.max_response_length
-        steps_per = lambda sub: sub.ppo_epochs * (cfg.data.train_batch_size // sub.ppo_mini_batch_size)  # noqa: E731
-        self.warm_dir = self.run_dir / "warm_model"
-        self.train_ds = train_ds
         if t.sft_warmup_steps > 0 and not (self.warm_dir / "config.json").is_file():
             # the warm start trains the whole model (no adapters); LoRA starts from its result
-            self.actor_module, warm_params, self.model_cfg = load_model(self.model_dir, **kw)
+            _, warm_params, _ = load_model(self.model_dir, **start.warm_kwargs(cfg, self.mesh))
             warm_params = sft_warm_start(self, warm_params)
             save_hf_checkpoint(warm_params, self.model_cfg, self.warm_dir)
             del warm_params
-        start_dir = self.warm_dir if (self.warm_dir / "config.json").is_file() else self.model_dir
-        self.start_dir = start_dir  # the actor's base (export under LoRA merges the adapters into it)
-        self.actor_module, actor_params, self.model_cfg = load_model(start_dir, rng=jax.random.PRNGKey(t.seed + 2),
-                                                                     **lora_kw(actor_lora))
-        actor = ActorEngine(self.actor_module, self.mesh, a, R, a.optim.total_steps or self.total_steps * steps_per(a),
-                            cfg.rollout.temperature, cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype,
-                            trainable=is_adapter if actor_lora.rank else None)
-        actor_state = actor.init_state(actor_params)  # under LoRA: the adapters; the base is actor.frozen
-        use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        ref_params = None
-        if use_ref and actor_lora.rank:  # the reference is the base: the adapters zeroed, no second copy
-            ref_params = zeros_like_adapters(actor_state.params)
-        elif use_ref:
-            # stored in the compute dtype: its forward pass casts every weight to it anyway, so its log-probs are
-            # bit-identical to those of an fp32 copy at half (bf16) the memory (a copy either way: the actor's
-            # buffers are donated to its updates)
-            ref_params = jax.tree.map(lambda p: p.astype(compute) if p.dtype != compute else jnp.copy(p),
-                                      actor_state.params)
-        del actor_params
-        critic, critic_state = None, None
-        if self.use_critic:
-            critic_module, critic_params, _ = load_model(cfg.model.critic_path or start_dir, "value",
-                                                         rng=jax.random.PRNGKey(t.seed + 1), **lora_kw(critic_lora))
-            critic = CriticEngine(critic_module, self.mesh, c, R, c.optim.total_steps or self.total_steps * steps_per(c),
-                                  cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype,
-                                  trainable=(lambda p: is_adapter(p) or p[0] == "score") if critic_lora.rank else None)
-            critic.guards = update_guards(t.health, "critic")
-            critic_state = critic.init_state(critic_params)
+        self.start_dir = self.warm_dir if (self.warm_dir / "config.json").is_file() else self.model_dir
+        self.state = start.create_states(cfg, b, self.start_dir, t.seed)
+        actor, critic = b.actor, b.critic
         actor.guards = update_guards(t.health, "actor")
+        if critic is not None:
+            critic.guards = update_guards(t.health, "critic")
         reward_model = None
         if cfg.model.reward_model_path:
             from jaxppo.rewards.model import RewardModel
 
-            reward_model = RewardModel(cfg.model.reward_model_path, dtype=compute)
+            reward_model = RewardModel(cfg.model.reward_model_path, dtype=DTYPES[cfg.model.dtype])
         push_dtype = DTYPES[self.engine_dtype]
-        if actor_lora.rank:
-            rollout_weights = lambda adapters: LoRAWeights(actor.frozen, adapters, actor_lora.scale, push_dtype)  # noqa: E731
+        if b.actor_lora.rank:
+            rollout_weights = lambda adapters: LoRAWeights(actor.frozen, adapters, b.actor_lora.scale, push_dtype)  # noqa: E731
         else:
             rollout_weights = lambda params: HFWeights(params, push_dtype)  # noqa: E731
-        self.ctx = StepContext(cfg, actor, critic, engine, train_ds, val_ds, self.tokenizer, push_dtype,
+        self.ctx = StepContext(cfg, actor, critic, engine, self.train_ds, prep.val_ds, self.tokenizer, push_dtype,
                                reward_model=reward_model, reward_fn=custom_reward.from_config(cfg),
-                               budgets=budgets, rollout_weights=rollout_weights,
-                               flops={"actor": flops_model(self.model_cfg, lora=actor_lora),
-                                      "critic": flops_model(critic_cfg, False, critic_lora)})
+                               budgets=self.plan.budgets, rollout_weights=rollout_weights,
+                               flops={"actor": flops_model(self.model_cfg, lora=b.actor_lora),
+                                      "critic": flops_model(b.critic_cfg or self.model_cfg, False, b.critic_lora)})
         reward_workers = resolve_workers(cfg.reward.num_workers)
         if reward_workers:  # spawned now: their imports overlap with the rest of setup
             reward_pool(reward_workers).start()
-        self.state = PPOState(actor_state, critic_state, ref_params, cfg.algorithm.kl_ctrl.kl_coef)
         self.health = HealthMonitor(t.health)
         self.step = 0
         self.bad_steps = 0  # consecutive steps with NaN/inf
@@ -183,7 +137,7 @@ class PPOTrainer:
         gc.freeze()
         self.gc_clock = gc_clock()
         log.info("run dir %s: %d train prompts, %d steps, %d sequences per step; MFU against %.4g TFLOP/s per device "
-                 "(%s)", self.run_dir, len(train_ds), self.total_steps, cfg.data.train_batch_size * cfg.rollout.n,
+                 "(%s)", self.run_dir, len(self.train_ds), self.total_steps, cfg.data.train_batch_size * cfg.rollout.n,
                  self.peak_flops / 1e12, peak_source)
 
     # the step's engines and states, by their old names (tests, scripts)
@@ -198,6 +152,12 @@ class PPOTrainer:
     @property
     def engine(self) -> RolloutEngine:
         return self.ctx.engine
+
+    @property
+    def vllm_utilization(self) -> float:
+        """What vLLM is started with: the plan's split (automatic: the card beside JAX's need), or the config's."""
+        v = self.plan.vllm
+        return v.utilization if v is not None else (self.cfg.rollout.gpu_memory_utilization or 0.5)
 
     @property
     def val_ds(self):
@@ -306,6 +266,11 @@ class PPOTrainer:
         metrics["perf/gc_s"] = self.gc_clock.seconds - gc_s
         metrics["perf/gc_full_collections"] = float(self.gc_clock.collections[2] - gc_full)
         return metrics
+
+    @property
+    def memory_estimate(self):
+        """The memory plan (jaxppo/plan.py), by its older name (scripts)."""
+        return self.plan
 
     def held_memory(self) -> dict[str, int]:
         """Bytes the run's states hold on the first local device, by component (the measured side of the memory

@@ -187,6 +187,7 @@ class _EngineInputs:
     tokenizer: Any
     engine_dtype: str
     eos_ids: tuple[int, ...]
+    vllm_utilization: float = 0.5  # vLLM's share of the card (no trainer states beside it)
 
 
 def validate_only(cfg: Any, engine_factory: Callable) -> tuple[int, dict[str, float], str]:
@@ -219,7 +220,8 @@ def validate_only(cfg: Any, engine_factory: Callable) -> tuple[int, dict[str, fl
     log.info("validating %s (%d prompts x %d responses)", what, 0 if val_ds is None else len(val_ds),
              cfg.rollout.val_kwargs.n)
     push_dtype = engine_dtype(cfg)
-    engine = engine_factory(model_dir, _EngineInputs(tokenizer, push_dtype, (tokenizer.eos_token_id,)))
+    engine = engine_factory(model_dir, _EngineInputs(tokenizer, push_dtype, (tokenizer.eos_token_id,),
+                                                     cfg.rollout.gpu_memory_utilization or 0.5))
     if cfg.rollout.free_cache_engine:
         engine.sleep()
     ctx = StepContext(cfg, None, None, engine, None, val_ds, tokenizer, DTYPES[push_dtype],

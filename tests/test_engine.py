@@ -172,8 +172,8 @@ def test_collectives_once_per_mini_batch(tiny_qwen, shape, gather, once):
     engine.logprobs(params, batch)
     engine.update(engine.init_state(params), batch)
     with engine._ctx():
-        update_hlo = engine._update_jit.lower(engine.init_state(params), batch, engine._extra()).compile().as_text()
-        forward_hlo = engine._forward_jit.lower(params, engine.frozen, batch, False, None).compile().as_text()
+        update_hlo = engine._update_jit.compile(engine.init_state(params), batch, engine._extra()).as_text()
+        forward_hlo = engine._forward_jit.compile(params, engine.frozen, batch, False, None).as_text()
     inner, entry = _collectives_inside_loops(update_hlo)
     assert entry and (not inner) == once, inner
     if "fsdp" in shape:

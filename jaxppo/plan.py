@@ -1,0 +1,418 @@
+"""The memory plan from the compiled programs (docs/memory.md).
+
+Before any state is allocated or the rollout engine starts, each program of the step is compiled for the run's
+real shapes and shardings from abstract arguments (the actor's and critic's updates, the log-prob, reference and
+value forward passes, a reward model's scoring), and XLA's own account of it (`compiled.memory_analysis()`:
+arguments, outputs, aliases, temporaries) decides:
+
+  budgets   each packed phase's token budget: the largest on a ladder (multiples of 1024 from one sequence up to
+            AUTO_MAX_BUDGET) whose program, beside the states that live for the whole run, fits JAX's share with
+            `trainer.memory_margin_gb` to spare. The fitted constants of `jaxppo.memory` only seed the search:
+            two compiles give a line through the program's bytes, the rung it predicts is compiled to verify.
+            A user's budget (> 0) is compiled and checked, never changed. Padded phases have one shape.
+  split     with in-process vLLM, `rollout.gpu_memory_utilization` 0 (automatic): JAX gets its planned peak plus
+            the margin, vLLM the rest of the card (less MARGIN for CUDA contexts); an explicit value wins and is
+            checked. vLLM needs its weights, graphs and activations and the KV cache of one max-length sequence;
+            the plan says how many sequences its cache holds at once (the rest run in waves).
+
+The executables compiled here are the ones the run calls (`jaxppo.programs.Program`): padded phases compile
+exactly once per start. A run that cannot fit at any budget raises ConfigError (exit 2) before vLLM starts,
+saying what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxppo import memory
+from jaxppo.errors import ConfigError
+from jaxppo.programs import Memory, device_bytes
+from jaxppo.sharding import batch_sharding
+
+log = logging.getLogger(__name__)
+GiB = 2**30
+LADDER_STEP = 1024  # token budgets are multiples of this
+AUTO_MAX_BUDGET = memory.AUTO_MAX_BUDGET
+VLLM_OVERHEAD = 2 * GiB  # vLLM beside weights and KV cache: CUDA graphs, the profile run's activations, sampler
+VLLM_MAX_SEQS = 1024  # sequences vLLM schedules at once at most (its default max_num_seqs on large GPUs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One program of the step as planned, bytes per device."""
+
+    name: str
+    budget_key: str | None  # the config key of its token budget (packed), None for padded micro-batches
+    budget: int | None
+    memory: Memory
+    program: int  # what it adds beside the resident states while it runs (Memory.beside)
+    compiles: int  # programs compiled to choose its budget
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmShare:
+    bytes: int  # vLLM's share of the card
+    weights: int
+    kv_per_sequence: int  # KV cache of one max-length sequence
+    sequences: int  # max-length sequences its KV cache holds at once
+    step_sequences: int  # sequences a step generates
+    utilization: float  # what vLLM is started with (its share as a fraction of the card)
+
+    @property
+    def minimum(self) -> int:
+        return self.weights + VLLM_OVERHEAD + self.kv_per_sequence
+
+
+@dataclasses.dataclass
+class Plan:
+    states: dict[str, int]  # what lives for the whole run, per device
+    phases: list[Phase]
+    margin: int
+    card: int | None  # the device's memory (None: unknown: nothing is checked)
+    jax_limit: int | None  # JAX's share
+    vllm: VllmShare | None
+    budgets: memory.TokenBudgets
+
+    @property
+    def resident(self) -> int:
+        return sum(self.states.values())
+
+    @property
+    def peak_phase(self) -> Phase:
+        return max(self.phases, key=lambda p: p.program)
+
+    @property
+    def peak(self) -> int:
+        """JAX's planned peak per device: the states and the largest program beside them."""
+        return self.resident + (self.peak_phase.program if self.phases else 0)
+
+    @property
+    def need(self) -> int:
+        return self.peak + self.margin
+
+    @property
+    def fits(self) -> bool:
+        return self.jax_limit is None or self.need <= self.jax_limit
+
+    def table(self) -> str:
+        gb = lambda b: f"{b / GiB:8.2f} GiB" if b >= GiB else f"{b / 2**20:8.1f} MiB"  # noqa: E731
+        lines = ["memory plan per device (XLA's compiled programs):", "  resident states:"]
+        lines += [f"    {k:<40}{gb(v)}" for k, v in self.states.items()]
+        lines.append(f"    {'total':<40}{gb(self.resident)}")
+        lines.append("  phases (program: batch, temporaries and outputs beside the states):")
+        for p in self.phases:
+            budget = f"budget {p.budget:>6}" if p.budget else "padded      "
+            lines.append(f"    {p.name:<20}{budget}  program {gb(p.program)}  states + program "
+                         f"{gb(self.resident + p.program)}  ({p.compiles} compiled)")
+        lines.append(f"  {'peak (' + self.peak_phase.name + ')' if self.phases else 'peak':<42}{gb(self.peak)}  "
+                     f"+ margin {self.margin / GiB:.1f} GiB = {gb(self.need)}")
+        if self.jax_limit is not None:
+            lines.append(f"  {'JAX limit':<42}{gb(self.jax_limit)}  of a {self.card / GiB:.1f} GiB card")
+        if self.vllm is not None:
+            v = self.vllm
+            waves = -(-v.step_sequences // max(v.sequences, 1))
+            lines.append(f"  {'vLLM share':<42}{gb(v.bytes)}  (gpu_memory_utilization {v.utilization:.3f}: weights "
+                         f"{v.weights / GiB:.1f} GiB + ~{VLLM_OVERHEAD / GiB:.0f} GiB graphs / activations + KV cache "
+                         f"for {v.sequences} max-length sequences at once; the step's {v.step_sequences} run in "
+                         f"{waves} wave{'s' if waves > 1 else ''})")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ abstract batches
+
+
+def _fake_batch(rows: int, prompt_len: int, response_len: int, prompt_tokens: int) -> dict[str, np.ndarray]:
+    """A padded host batch in the engine's layout whose every sequence has `prompt_tokens` prompt tokens and a
+    full-length response (the most response tokens per packed row when prompt_tokens is 1)."""
+    t = prompt_len + response_len
+    mask = np.zeros((rows, t), np.int32)
+    mask[:, prompt_len - prompt_tokens:] = 1
+    return {"input_ids": np.zeros((rows, t), np.int32), "attention_mask": mask,
+            "positions": np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32),
+            "response_mask": np.ones((rows, response_len), np.float32)}
+
+
+def _with_keys(batch: dict[str, np.ndarray], keys: tuple[str, ...], response_len: int) -> dict[str, np.ndarray]:
+    rows = batch["input_ids"].shape[0]
+    return dict(batch, **{k: np.zeros((rows, response_len), np.float32) for k in keys})
+
+
+def _abstract_padded(engine: Any, batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]:
+    """What `engine.shard_batch` makes of this process's host batch, as ShapeDtypeStructs."""
+    out = {}
+    for k, v in batch.items():
+        shape = (v.shape[0] * jax.process_count(),) + v.shape[1:]
+        out[k] = jax.ShapeDtypeStruct(shape, v.dtype, sharding=batch_sharding(engine.mesh, v.ndim, 0))
+    return out
+
+
+def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, what: str
+                     ) -> dict[str, jax.ShapeDtypeStruct]:
+    """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`: the most tokens and
+    response-token slots a row of that budget can hold."""
+    from jaxppo.packing import pack
+
+    local = engine.batch_shards // jax.process_count()
+    packed = pack(batch, engine.response_length, budget, local, what)
+    out = {}
+    for k, v in packed.arrays.items():
+        shape = (v.shape[0], v.shape[1] * jax.process_count()) + v.shape[2:]
+        out[k] = jax.ShapeDtypeStruct(shape, v.dtype, sharding=batch_sharding(engine.mesh, v.ndim, 1))
+    return out
+
+
+# ------------------------------------------------------------------ the budget search
+
+
+def ladder(seq_len: int, top: int = AUTO_MAX_BUDGET) -> list[int]:
+    low = -(-seq_len // LADDER_STEP) * LADDER_STEP
+    return list(range(low, max(top, low) + 1, LADDER_STEP))
+
+
+def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int], seed: int
+                  ) -> tuple[int | None, int]:
+    """The largest rung whose `cost` (compiling its program) is <= `avail`, and how many rungs were compiled; None
+    when even the smallest does not fit. `seed` (the fitted constants' guess) is compiled first, then the ladder's
+    end on the other side of `avail`; the line through the two predicts the rung, which is compiled to verify
+    (programs' bytes grow about linearly with the budget: activations per token over a fixed part)."""
+    costs: dict[int, int] = {}
+
+    def at(b: int) -> int:
+        if b not in costs:
+            costs[b] = cost(b)
+        return costs[b]
+
+    if avail is None:
+        at(seed)
+        return seed, len(costs)
+    seed = min(rungs, key=lambda r: abs(r - seed))
+    lo, hi = (seed, rungs[-1]) if at(seed) <= avail else (rungs[0], seed)
+    if at(lo) > avail:
+        return None, len(costs)
+    if at(hi) <= avail:
+        return hi, len(costs)
+    moved = ""
+    for _ in range(8):  # lo fits, hi does not; rungs between them are untried
+        inside = [r for r in rungs if lo < r < hi]
+        if not inside:
+            return lo, len(costs)
+        if moved.endswith("lolo") or moved.endswith("hihi"):  # the line keeps missing on one side: bisect
+            pick = inside[len(inside) // 2]
+        else:
+            slope = (at(hi) - at(lo)) / (hi - lo)
+            guess = lo + (avail - at(lo)) / slope if slope > 0 else hi
+            pick = max([r for r in inside if r <= guess], default=inside[0])
+        if at(pick) <= avail:
+            lo, moved = pick, moved + "lo"
+        else:
+            hi, moved = pick, moved + "hi"
+    return lo, len(costs)
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def vllm_sizes(cfg: Any, model: Any) -> tuple[int, int]:
+    """(weights, KV cache of one max-length sequence) of the rollout engine, in the compute dtype."""
+    s = memory.DTYPE_BYTES[cfg.model.dtype]
+    kv_per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * s
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    return int(model.num_params() * s), int(kv_per_token * seq)
+
+
+def vllm_minimum(cfg: Any, model: Any) -> int:
+    weights, kv = vllm_sizes(cfg, model)
+    return weights + VLLM_OVERHEAD + kv
+
+
+def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
+    """Compile the step's programs for `build` (a `jaxppo.build.Build`: engines and abstract states) and choose
+    the budgets and the vLLM / JAX split; raises ConfigError when nothing fits, saying what to change."""
+    from jaxppo.step import update_keys
+
+    d, r = cfg.data, cfg.rollout
+    margin = int(cfg.trainer.memory_margin_gb * GiB)
+    states = build.state_bytes()
+    resident = sum(states.values())
+    vllm = r.engine == "vllm" and card is not None
+    step_seqs = d.train_batch_size * r.n
+    weights, kv_seq = vllm_sizes(cfg, build.actor_cfg)
+    if vllm and r.gpu_memory_utilization > 0:
+        jax_limit = int((1.0 - r.gpu_memory_utilization - memory.MARGIN) * card)
+        search_limit = jax_limit
+    elif vllm:  # automatic: room for vLLM to run every sequence of the step at once if the card allows
+        jax_limit = None
+        target = weights + VLLM_OVERHEAD + kv_seq * min(step_seqs, VLLM_MAX_SEQS)
+        search_limit = int((1.0 - memory.MARGIN) * card) - target
+    elif card is not None:
+        jax_limit = int(memory.jax_fraction() * card) if cfg.trainer.device_memory_gb <= 0 else card
+        search_limit = jax_limit
+    else:
+        jax_limit = search_limit = None
+    if vllm and r.gpu_memory_utilization == 0 and search_limit < resident + margin + GiB:
+        search_limit = int((1.0 - memory.MARGIN) * card) - vllm_minimum(cfg, build.actor_cfg)  # vLLM in waves
+    avail = None if search_limit is None else search_limit - resident - margin
+    if avail is not None and avail <= 0:  # the states alone do not fit: nothing to compile
+        plan = Plan(states, [], margin, card, jax_limit if jax_limit is not None else search_limit, None,
+                    memory.TokenBudgets(0, 0, 0, 0))
+        raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(
+            [f"the states alone take {resident / GiB:.1f} GiB per device (+ margin {margin / GiB:.1f}) of the "
+             f"{search_limit / GiB:.1f} GiB JAX may use" + (" beside vLLM's minimum" if vllm else "")]
+            + _what_to_change(cfg, plan, build.shards)) + "\n" + plan.table())
+
+    rows_step = step_seqs // jax.process_count()
+    seeds = memory.token_budgets(cfg, build.actor_cfg, build.critic_cfg, build.shards, card)
+    P, R = d.max_prompt_length, d.max_response_length
+    rungs = ladder(P + R)
+    actor_keys, critic_keys = update_keys(cfg, build.ref is not None)
+    phases: list[Phase] = []
+    chosen: dict[str, int] = {}
+
+    def plan_phase(names: tuple[str, ...], sub: Any, budget_key: str, given: int, seed: int, rows: int,
+                   keys: tuple, programs: tuple[tuple[Callable[[dict], Memory], int], ...]) -> None:
+        """Plan the programs that share one budget key ((compile, resident argument bytes) each)."""
+        name = names[0]
+        if not sub.use_dynamic_bsz:
+            batch = _abstract_padded(build.actor, _with_keys(_fake_batch(rows, P, R, P), keys, R))
+            for n, (fn, resident_args) in zip(names, programs):
+                mem = fn(batch)
+                phases.append(Phase(n, None, None, mem, mem.beside(resident_args), 1))
+            return
+        host = _with_keys(_fake_batch(rows, P, R, 1), keys, R)
+        mems: dict[int, list[Memory]] = {}
+
+        def cost(budget: int) -> int:
+            batch = _abstract_packed(build.actor, host, budget, budget_key)
+            mems[budget] = [fn(batch) for fn, _ in programs]
+            return max(m.beside(r) for m, (_, r) in zip(mems[budget], programs))
+
+        if given > 0:
+            cost(given)
+            budget, tries = given, 1
+        else:
+            budget, tries = search_budget(cost, avail, rungs, seed)
+            if budget is None:
+                program = max(m.beside(r) for m, (_, r) in zip(mems[rungs[0]], programs))
+                raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin, search_limit,
+                                           program))
+        chosen[budget_key] = budget
+        for n, m, (_, r) in zip(names, mems[budget], programs):
+            phases.append(Phase(n, budget_key, budget, m, m.beside(r), tries))
+
+    a_state, a_frozen = build.actor_state, build.actor_frozen
+    a = cfg.actor
+    trunc = build.truncation
+    forward = [("actor forward", (lambda b: build.actor.compile_logprobs(a_state.params, a_frozen, b, False, trunc),
+                                  device_bytes((a_state.params, a_frozen))))]
+    if build.ref is not None and build.needs_ref_logprobs:  # the reference's log-probs run at the same budget
+        forward.append(("reference forward", (lambda b: build.actor.compile_logprobs(build.ref, a_frozen, b),
+                                              device_bytes((build.ref, a_frozen)))))
+    plan_phase(tuple(n for n, _ in forward), a, "actor.log_prob_max_token_len_per_device",
+               a.log_prob_max_token_len_per_device, seeds.actor_forward, rows_step, (), tuple(p for _, p in forward))
+    if build.critic is not None:
+        c, c_state, c_frozen = cfg.critic, build.critic_state, build.critic_frozen
+        plan_phase(("critic forward",), c, "critic.forward_max_token_len_per_device",
+                   c.forward_max_token_len_per_device, seeds.critic_forward, rows_step, (),
+                   ((lambda b: build.critic.compile_values(c_state.params, c_frozen, b),
+                     device_bytes((c_state.params, c_frozen))),))
+        rows = c.ppo_mini_batch_size * r.n // jax.process_count()
+        plan_phase(("critic update",), c, "critic.ppo_max_token_len_per_device", c.ppo_max_token_len_per_device,
+                   seeds.critic_update, rows, critic_keys,
+                   ((lambda b: build.critic.compile_update(c_state, b, c_frozen), device_bytes((c_state, c_frozen))),))
+    rows = a.ppo_mini_batch_size * r.n // jax.process_count()
+    ref_in_update = build.ref if build.actor.full_kl else None
+    plan_phase(("actor update",), a, "actor.ppo_max_token_len_per_device", a.ppo_max_token_len_per_device,
+               seeds.actor_update, rows, actor_keys,
+               ((lambda b: build.actor.compile_update(a_state, b, a_frozen, ref_in_update),
+                 device_bytes((a_state, a_frozen, ref_in_update))),))
+    budgets = memory.TokenBudgets(
+        actor_update=chosen.get("actor.ppo_max_token_len_per_device", 0),
+        actor_forward=chosen.get("actor.log_prob_max_token_len_per_device", 0),
+        critic_update=chosen.get("critic.ppo_max_token_len_per_device", 0),
+        critic_forward=chosen.get("critic.forward_max_token_len_per_device", 0))
+    plan = Plan(states, phases, margin, card, jax_limit, None, budgets)
+    if vllm:
+        plan = _split(cfg, plan, weights, kv_seq, step_seqs)
+    check(cfg, plan)
+    return plan
+
+
+def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, step_seqs: int) -> Plan:
+    """vLLM's share: the rest of the card beside JAX's need (automatic), or the configured fraction."""
+    card = plan.card
+    u = cfg.rollout.gpu_memory_utilization
+    if u > 0:
+        share = int(u * card)
+        jax_limit = plan.jax_limit
+    else:
+        share = int((1.0 - memory.MARGIN) * card) - plan.need
+        jax_limit = plan.need
+        u = max(share, 0) / card
+    held = max(share - weights - VLLM_OVERHEAD, 0) // max(kv_seq, 1)
+    return dataclasses.replace(plan, jax_limit=jax_limit,
+                               vllm=VllmShare(share, weights, kv_seq, int(held), step_seqs, float(u)))
+
+
+def check(cfg: Any, plan: Plan) -> None:
+    """ConfigError (exit 2) when the plan does not fit the card, saying what to change."""
+    if plan.card is None:
+        return
+    advice = []
+    shards = cfg.mesh.fsdp * cfg.mesh.tensor
+    if not plan.fits:
+        over = plan.need - plan.jax_limit
+        p = plan.peak_phase
+        advice.append(f"JAX needs {plan.need / GiB:.1f} GiB per device at its peak ({p.name}: states "
+                      f"{plan.resident / GiB:.1f} + program {p.program / GiB:.1f} + margin {plan.margin / GiB:.1f}) "
+                      f"but may use {plan.jax_limit / GiB:.1f} GiB ({over / GiB:.1f} GiB over)")
+        advice += _what_to_change(cfg, plan, shards)
+    v = plan.vllm
+    if v is not None and v.bytes < v.minimum:
+        advice.append(f"vLLM's share ({v.bytes / GiB:.1f} GiB) cannot hold its weights ({v.weights / GiB:.1f} GiB), "
+                      f"graphs and one max-length sequence's KV cache (needs {v.minimum / GiB:.1f} GiB)"
+                      + ("" if cfg.rollout.gpu_memory_utilization else ": the trainer's states leave too little")
+                      + "; " + ("raise rollout.gpu_memory_utilization, or set it to 0 (automatic)"
+                               if cfg.rollout.gpu_memory_utilization else
+                               "; ".join(_what_to_change(cfg, plan, shards)[1:]) or "use more devices"))
+    if advice:
+        raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(advice) + "\n" + plan.table())
+
+
+def _what_to_change(cfg: Any, plan: Plan, shards: int) -> list[str]:
+    out = []
+    p = plan.peak_phase if plan.phases else None
+    if p is None:
+        pass
+    elif p.budget_key and p.budget and p.budget > ladder(cfg.data.max_prompt_length + cfg.data.max_response_length)[0]:
+        out.append(f"lower {p.budget_key} (now {p.budget}; 0 picks the largest that fits)")
+    elif not p.budget_key:
+        sub = "critic" if p.name.startswith("critic") else "actor"
+        out.append(f"lower {sub}'s micro-batch sizes, or pack sequences ({sub}.use_dynamic_bsz=true with token "
+                   "budgets 0: the largest that fits)")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.gpu_memory_utilization > 0:
+        out.append(f"lower rollout.gpu_memory_utilization (now {cfg.rollout.gpu_memory_utilization}), or set it to 0 "
+                   "(automatic: vLLM gets what JAX leaves)")
+    if not plan.phases or plan.resident + plan.margin > 0.6 * (plan.jax_limit or plan.card):
+        need = max(2, math.ceil(plan.resident * shards / (0.6 * (plan.jax_limit or plan.card))))
+        out.append(f"the states alone take {plan.resident / GiB:.1f} GiB per device: train adapters "
+                   f"(actor.lora_rank / critic.lora_rank), offload optimizer state to the host (actor.optimizer_offload"
+                   f"), or shard over more devices (mesh.fsdp={need} or more)")
+    return out
+
+
+def _refusal(cfg: Any, build: Any, name: str, key: str, smallest: int, resident: int, margin: int, limit: int,
+             program: int) -> str:
+    return (f"the run does not fit the card: {name} does not fit at the smallest budget ({key}={smallest}): states "
+            f"{resident / GiB:.1f} GiB + program {program / GiB:.1f} GiB + margin {margin / GiB:.1f} GiB > "
+            f"{limit / GiB:.1f} GiB for JAX; train adapters (actor.lora_rank / critic.lora_rank), offload optimizer "
+            "state (actor.optimizer_offload), shorten data.max_prompt_length / max_response_length, or shard over "
+            "more devices (mesh.fsdp)")
+
+
+__all__ = ["Plan", "Phase", "VllmShare", "make_plan", "check", "search_budget", "ladder", "vllm_minimum"]
