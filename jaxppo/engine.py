@@ -301,15 +301,16 @@ class _Base(DeviceBatches):
     def update_program(self, state: TrainState) -> Program:
         """The mini-batch update's program (built from `state`'s shardings, abstract or concrete, on first use)."""
         if self._update_jit is None:
-            self._update_jit = self._jit_step(self._loss, state, "update")
+            self._update_jit = self._jit_step(self._loss, state, f"{self.role} update")
         return self._update_jit
 
-    def compile_update(self, state: TrainState, minibatch: Batch, frozen: Any = None, ref: Any = None) -> Memory:
+    def compile_update(self, state: TrainState, minibatch: Batch, frozen: Any = None, ref: Any = None,
+                       probe: bool = False) -> Memory:
         """Compile the update for these (abstract) arguments and return XLA's memory for it; the executable is
-        kept for the run."""
+        kept for the run (`probe`: not kept, `Program.probe`)."""
         program = self.update_program(state)
         with self._ctx():
-            return program.memory(state, minibatch, {"frozen": frozen, "ref": ref})
+            return (program.probe if probe else program.memory)(state, minibatch, {"frozen": frozen, "ref": ref})
 
     def _jit_step(self, loss_fn: Callable, state: TrainState, name: str) -> Program:
         # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
@@ -353,6 +354,8 @@ class _Ctx:
 class ActorEngine(_Base):
     """The policy: response log-probs (old / ref / current) and the PPO actor update."""
 
+    role = "actor"
+
     def __init__(self, module: nn.Module, mesh: Mesh, cfg: ActorConfig, response_length: int, total_steps: int = 1,
                  temperature: float = 1.0, fsdp_gather: str = "layer", grad_reduce_dtype: str = "float32",
                  trainable: Callable | None = None):
@@ -381,14 +384,16 @@ class ActorEngine(_Base):
                 out = self._forward_map(lambda pp, mb: self._head(self.full(pp, f), mb, e, trunc), p, b)
                 return (out["logprobs"], out["entropy"]) + ((out["sampling_logprobs"],) if trunc else ())
 
-            self._forward_jit = Program(fwd, name="log-probs", static_argnums=(3, 4))
+            self._forward_jit = Program(fwd, name="actor log-probs", static_argnums=(3, 4))
         return self._forward_jit
 
     def compile_logprobs(self, params: Any, frozen: Any, batch: Batch, with_entropy: bool = False,
-                         truncation: tuple[int, float] | None = None) -> Memory:
-        """Compile `logprobs` for these (abstract) arguments; XLA's memory for it (the executable is kept)."""
+                         truncation: tuple[int, float] | None = None, probe: bool = False) -> Memory:
+        """Compile `logprobs` for these (abstract) arguments; XLA's memory for it (the executable is kept unless
+        `probe`)."""
+        program = self.forward_program(params)
         with self._ctx():
-            return self.forward_program(params).memory(params, frozen, batch, with_entropy, truncation)
+            return (program.probe if probe else program.memory)(params, frozen, batch, with_entropy, truncation)
 
     def update(self, state: TrainState, minibatch: Batch, ref_params: Any = None) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch; `ref_params`: the reference policy (the exact-KL loss,
@@ -437,13 +442,15 @@ class ActorEngine(_Base):
 
     def sft_update(self, state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
         if getattr(self, "_sft_jit", None) is None:
-            self._sft_jit = self._jit_step(self._sft_loss, state, "sft update")
+            self._sft_jit = self._jit_step(self._sft_loss, state, "actor sft update")
         with self._ctx():
             return self._sft_jit(state, minibatch, self._extra())
 
 
 class CriticEngine(_Base):
     """The value model: values of the response states and the clipped value-loss update."""
+
+    role = "critic"
 
     def __init__(self, module: nn.Module, mesh: Mesh, cfg: CriticConfig, response_length: int, total_steps: int = 1,
                  fsdp_gather: str = "layer", grad_reduce_dtype: str = "float32", trainable: Callable | None = None):
@@ -460,12 +467,13 @@ class CriticEngine(_Base):
         if self._forward_jit is None:
             self._forward_jit = Program(lambda p, f, b: self._forward_map(
                 lambda pp, mb: response_values(self.module, self.full(pp, f), mb, self.response_length), p, b),
-                name="values")
+                name="critic values")
         return self._forward_jit
 
-    def compile_values(self, params: Any, frozen: Any, batch: Batch) -> Memory:
+    def compile_values(self, params: Any, frozen: Any, batch: Batch, probe: bool = False) -> Memory:
+        program = self.forward_program(params)
         with self._ctx():
-            return self.forward_program(params).memory(params, frozen, batch)
+            return (program.probe if probe else program.memory)(params, frozen, batch)
 
     def _loss(self, params, mb, num_tokens, num_seqs, extra=None):
         vpreds = response_values(self.module, self.full(params, (extra or {}).get("frozen")), mb, self.response_length)

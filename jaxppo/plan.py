@@ -52,7 +52,7 @@ class Phase:
     budget: int | None
     memory: Memory
     program: int  # what it adds beside the resident states while it runs (Memory.beside)
-    compiles: int  # programs compiled to choose its budget
+    compiles: int  # budgets compiled to choose it (probes, and the one kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +179,9 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
                   ) -> tuple[int | None, int]:
     """The largest rung whose `cost` (compiling its program) is <= `avail`, and how many rungs were compiled; None
     when even the smallest does not fit. `seed` (the fitted constants' guess) is compiled first, then the ladder's
-    end on the other side of `avail`; the line through the two predicts the rung, which is compiled to verify
-    (programs' bytes grow about linearly with the budget: activations per token over a fixed part)."""
+    end on the other side of `avail`; a curve through the bytes seen so far (a line, then a quadratic: attention
+    that materialises its scores grows with the square of the row) predicts the rung, which is compiled to verify;
+    a prediction that misses twice on one side gives way to bisection."""
     costs: dict[int, int] = {}
 
     def at(b: int) -> int:
@@ -198,16 +199,17 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
     if at(hi) <= avail:
         return hi, len(costs)
     moved = ""
-    for _ in range(8):  # lo fits, hi does not; rungs between them are untried
+    for _ in range(10):  # lo fits, hi does not; the rungs between them are untried
         inside = [r for r in rungs if lo < r < hi]
         if not inside:
             return lo, len(costs)
-        if moved.endswith("lolo") or moved.endswith("hihi"):  # the line keeps missing on one side: bisect
+        if moved.endswith(("lolo", "hihi")):
             pick = inside[len(inside) // 2]
         else:
-            slope = (at(hi) - at(lo)) / (hi - lo)
-            guess = lo + (avail - at(lo)) / slope if slope > 0 else hi
-            pick = max([r for r in inside if r <= guess], default=inside[0])
+            xs = np.array(sorted(costs), float)
+            fit = np.polyfit(xs, [costs[int(x)] for x in xs], min(2, len(xs) - 1))
+            pred = np.polyval(fit, np.array(inside, float))
+            pick = max([r for r, c in zip(inside, pred) if c <= avail], default=inside[0])
         if at(pick) <= avail:
             lo, moved = pick, moved + "lo"
         else:
@@ -275,43 +277,56 @@ def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
     chosen: dict[str, int] = {}
 
     def plan_phase(names: tuple[str, ...], sub: Any, budget_key: str, given: int, seed: int, rows: int,
-                   keys: tuple, programs: tuple[tuple[Callable[[dict], Memory], int], ...]) -> None:
-        """Plan the programs that share one budget key ((compile, resident argument bytes) each)."""
+                   keys: tuple, programs: tuple[tuple[Callable[[dict, bool], Memory], int], ...]) -> None:
+        """Plan the programs that share one budget key ((compile(batch, probe), resident argument bytes) each)."""
         name = names[0]
         if not sub.use_dynamic_bsz:
             batch = _abstract_padded(build.actor, _with_keys(_fake_batch(rows, P, R, P), keys, R))
             for n, (fn, resident_args) in zip(names, programs):
-                mem = fn(batch)
+                mem = fn(batch, False)
                 phases.append(Phase(n, None, None, mem, mem.beside(resident_args), 1))
             return
         host = _with_keys(_fake_batch(rows, P, R, 1), keys, R)
-        mems: dict[int, list[Memory]] = {}
+        probes: dict[int, int] = {}
+
+        def measure(budget: int, probe: bool) -> list[Memory]:
+            batch = _abstract_packed(build.actor, host, budget, budget_key)
+            return [fn(batch, probe) for fn, _ in programs]
+
+        def worst(mems: list[Memory]) -> int:
+            return max(m.beside(r) for m, (_, r) in zip(mems, programs))
 
         def cost(budget: int) -> int:
-            batch = _abstract_packed(build.actor, host, budget, budget_key)
-            mems[budget] = [fn(batch) for fn, _ in programs]
-            return max(m.beside(r) for m, (_, r) in zip(mems[budget], programs))
+            probes[budget] = worst(measure(budget, True))
+            return probes[budget]
 
-        if given > 0:
-            cost(given)
-            budget, tries = given, 1
-        else:
-            budget, tries = search_budget(cost, avail, rungs, seed)
-            if budget is None:
-                program = max(m.beside(r) for m, (_, r) in zip(mems[rungs[0]], programs))
-                raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin, search_limit,
-                                           program))
+        rungs_left = rungs
+        while True:
+            if given > 0:
+                budget, tries = given, 0
+            else:
+                budget, tries = search_budget(cost, avail, rungs_left, seed)
+                if budget is None:
+                    raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin,
+                                               search_limit, probes[rungs_left[0]]))
+            mems = measure(budget, False)  # the rung chosen, compiled as the run compiles (and kept)
+            if given > 0 or avail is None or worst(mems) <= avail or budget == rungs[0]:
+                break
+            rungs_left = [r for r in rungs if r < budget]  # autotuned kernels asked for more: one rung down
+            seed = rungs_left[-1]
         chosen[budget_key] = budget
-        for n, m, (_, r) in zip(names, mems[budget], programs):
-            phases.append(Phase(n, budget_key, budget, m, m.beside(r), tries))
+        for n, m, (_, r) in zip(names, mems, programs):
+            phases.append(Phase(n, budget_key, budget, m, m.beside(r), tries + 1))
 
     a_state, a_frozen = build.actor_state, build.actor_frozen
     a = cfg.actor
     trunc = build.truncation
-    forward = [("actor forward", (lambda b: build.actor.compile_logprobs(a_state.params, a_frozen, b, False, trunc),
+    forward = [("actor forward", (lambda b, probe: build.actor.compile_logprobs(a_state.params, a_frozen, b, False,
+                                                                                 trunc, probe),
                                   device_bytes((a_state.params, a_frozen))))]
     if build.ref is not None and build.needs_ref_logprobs:  # the reference's log-probs run at the same budget
-        forward.append(("reference forward", (lambda b: build.actor.compile_logprobs(build.ref, a_frozen, b),
+        forward.append(("reference forward", (lambda b, probe: build.actor.compile_logprobs(build.ref, a_frozen, b,
+                                                                                           probe=probe),
                                               device_bytes((build.ref, a_frozen)))))
     plan_phase(tuple(n for n, _ in forward), a, "actor.log_prob_max_token_len_per_device",
                a.log_prob_max_token_len_per_device, seeds.actor_forward, rows_step, (), tuple(p for _, p in forward))
@@ -319,17 +334,18 @@ def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
         c, c_state, c_frozen = cfg.critic, build.critic_state, build.critic_frozen
         plan_phase(("critic forward",), c, "critic.forward_max_token_len_per_device",
                    c.forward_max_token_len_per_device, seeds.critic_forward, rows_step, (),
-                   ((lambda b: build.critic.compile_values(c_state.params, c_frozen, b),
+                   ((lambda b, probe: build.critic.compile_values(c_state.params, c_frozen, b, probe),
                      device_bytes((c_state.params, c_frozen))),))
         rows = c.ppo_mini_batch_size * r.n // jax.process_count()
         plan_phase(("critic update",), c, "critic.ppo_max_token_len_per_device", c.ppo_max_token_len_per_device,
                    seeds.critic_update, rows, critic_keys,
-                   ((lambda b: build.critic.compile_update(c_state, b, c_frozen), device_bytes((c_state, c_frozen))),))
+                   ((lambda b, probe: build.critic.compile_update(c_state, b, c_frozen, probe=probe),
+                     device_bytes((c_state, c_frozen))),))
     rows = a.ppo_mini_batch_size * r.n // jax.process_count()
     ref_in_update = build.ref if build.actor.full_kl else None
     plan_phase(("actor update",), a, "actor.ppo_max_token_len_per_device", a.ppo_max_token_len_per_device,
                seeds.actor_update, rows, actor_keys,
-               ((lambda b: build.actor.compile_update(a_state, b, a_frozen, ref_in_update),
+               ((lambda b, probe: build.actor.compile_update(a_state, b, a_frozen, ref_in_update, probe),
                  device_bytes((a_state, a_frozen, ref_in_update))),))
     budgets = memory.TokenBudgets(
         actor_update=chosen.get("actor.ppo_max_token_len_per_device", 0),

@@ -89,6 +89,13 @@ class Program:
     def memory(self, *args: Any) -> Memory:
         return Memory.of(self.compile(*args))
 
+    def probe(self, *args: Any) -> Memory:
+        """XLA's memory for these arguments from a compile that is not kept, with GPU autotuning off (the kernels'
+        choice barely moves the buffers, and autotuning is most of a large program's compile time): what the
+        budget search asks of the rungs it does not run. The rung it picks is compiled and kept (`memory`)."""
+        options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
+        return Memory.of(self.jitted.lower(*args).compile(compiler_options=options))
+
     def __call__(self, *args: Any) -> Any:
         exe = self.compile(*args)
         return exe(*[a for i, a in enumerate(args) if i not in self.static])

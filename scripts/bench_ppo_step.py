@@ -139,9 +139,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    planned = memory.plan_for_config(cfg, jax.device_count())
-    if planned is not None:
-        memory.check(cfg, *planned)  # what `python -m jaxppo.train` checks before building anything
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg, make_engine_factory(cfg))
     setup_s = time.perf_counter() - t0
@@ -172,10 +169,14 @@ def main(argv=None) -> int:
                "memory_plan": plan, "processes": jax.process_count(), "devices": jax.device_count(),
                "mesh": dict(trainer.mesh.shape), "median_steps_3_to_n": med, "start": start,
                "compiles_per_step": compiles, "compiles_constant_after_step3": len(set(compiles[2:])) <= 1,
-               "memory_estimate_gb": trainer.memory_estimate.total / 2**30,
-               # per component, per device: what the states hold (measured) beside the plan's estimate
+               "jax_peak_gb_per_step": [s["memory/jax_peak_gb"] for s in steps],
+               # the compiled plan's peak (states + the largest program), its margin, and per component / phase
+               "memory_estimate_gb": trainer.plan.peak / 2**30, "memory_margin_gb": trainer.plan.margin / 2**30,
                "memory_held_gb": {k: v / 2**30 for k, v in trainer.held_memory().items()},
-               "memory_plan_gb": {k: v / 2**30 for k, v in trainer.memory_estimate.components.items()},
+               "memory_plan_gb": {**{k: v / 2**30 for k, v in trainer.plan.states.items()},
+                                  **{f"program: {p.name}": p.program / 2**30 for p in trainer.plan.phases}},
+               "vllm_utilization": trainer.vllm_utilization,
+               "vllm_sequences_at_once": trainer.plan.vllm.sequences if trainer.plan.vllm else None,
                "token_budgets": vars(trainer.ctx.budgets) if trainer.ctx.budgets else None}
     if not args.no_standalone:
         # standalone generation as the loop generates, nothing else running: each repeat woken from sleep with

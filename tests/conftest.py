@@ -31,3 +31,14 @@ def tokenizer_dir(tmp_path_factory):
     from jaxppo.data.synthetic import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture
+def one_device(monkeypatch):
+    """In-process runs see one device, as a user's CPU run (and the subprocess runs of the tests) do; this test
+    process has eight."""
+    import jax
+
+    first = jax.devices()[0]
+    monkeypatch.setattr(jax, "devices", lambda *a: [first])
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)

@@ -1,84 +1,177 @@
-"""The memory plan against what XLA asked for on the H200, as the benchmark ledger records it: the plan must be an
-upper bound of every recorded request and peak (else a planned run can run out of memory), and a tight one
-(else the budgets it picks leave the card idle)."""
+"""The memory plan from the compiled programs (jaxppo/plan.py), through real compiles on CPU: the budget search picks
+smaller budgets for a smaller card, `trainer.plan_only` exits 0 / 2 and creates nothing, a start compiles each
+program once and the run calls those executables, a run that cannot fit exits 2 before the rollout engine starts,
+and the GPU checks of the committed configs (ledger rows `config_check`) stay within the plan."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from scripts import ledger
+from jaxppo.config import load_config
+from tests.train_helpers import FAST, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-H200_GB = 139.8  # what the H200 reports (memory_stats bytes_limit / fraction)
-BUDGET_KEYS = {"actor_update": "actor.ppo_max_token_len_per_device",
-               "actor_forward": "actor.log_prob_max_token_len_per_device",
-               "critic_update": "critic.ppo_max_token_len_per_device",
-               "critic_forward": "critic.forward_max_token_len_per_device"}
-
-
-def ledger_rows(bench: str) -> list[dict]:
-    return [r for r in ledger.read() if r["bench"] == bench]
+# critic-free (no critic, no reference): the actor's forward and update, packed, with the forward's budget given
+# so the search runs on the update alone
+PACKED = [*FAST, "algorithm.adv_estimator=grpo", "actor.use_dynamic_bsz=true",
+          "actor.log_prob_max_token_len_per_device=2048", "trainer.memory_margin_gb=0.001"]
 
 
-@pytest.fixture(scope="module")
-def shape_dir(tmp_path_factory):
-    from scripts.shapes import write_config_dir
+def prepared(tmp_path, *overrides):
+    from jaxppo import start
 
-    d = tmp_path_factory.mktemp("shapes")
-    return lambda name: write_config_dir(name, d / name)
+    cfg = load_config(ROOT / "configs" / "default.yaml", [f"trainer.default_local_dir={tmp_path / 'run'}",
+                                                          *overrides])
+    return start.prepare(cfg, quiet=True)
 
 
-def plan(shape_dir, row: dict, extra: list[str]):
-    """(the memory estimate, each phase's bytes) of a ledger row's config on the H200, with `extra` overrides."""
+def test_search_budget_finds_the_largest_rung_that_fits_with_few_compiles():
+    from jaxppo.plan import ladder, search_budget
+
+    rungs = ladder(768)
+    shapes = {"linear": lambda b: 10 + 2 * b, "quadratic": lambda b: 10 + b + b * b / 1000,
+              "jump": lambda b: 10 + 3 * b + (5000 if b > 20000 else 0)}
+    for name, f in shapes.items():
+        for avail in (5_000, 30_000, 60_000, 10**9, 5):
+            seen = []
+            got, n = search_budget(lambda b: (seen.append(b), f(b))[1], avail, rungs, 16384)
+            assert got == max([r for r in rungs if f(r) <= avail], default=None), (name, avail)
+            assert n == len(set(seen)) <= 6, (name, avail, seen)
+
+
+def test_a_smaller_card_gets_a_smaller_budget(tmp_path, one_device):
+    big = prepared(tmp_path, *PACKED, "trainer.device_memory_gb=20").plan
+    small = prepared(tmp_path, *PACKED, "trainer.device_memory_gb=0.05").plan
+    assert big.budgets.actor_update == 32768  # the ladder's top fits a 20 GB card
+    assert 1024 <= small.budgets.actor_update < big.budgets.actor_update
+    assert small.budgets.actor_forward == big.budgets.actor_forward == 2048  # given: compiled and checked only
+    for plan in (big, small):
+        assert plan.fits and plan.need <= plan.jax_limit
+        update = next(p for p in plan.phases if p.name == "actor update")
+        assert update.memory.temps > 0 and update.program == update.memory.beside(
+            sum(v for k, v in plan.states.items() if k.startswith("actor")))
+    # the next rung up does not fit the small card: the search stopped at the largest that does
+    from jaxppo import start
+
+    over = small.budgets.actor_update + 1024
+    cfg = load_config(ROOT / "configs" / "default.yaml", [f"trainer.default_local_dir={tmp_path / 'run'}", *PACKED,
+                                                          "trainer.device_memory_gb=0.05",
+                                                          f"actor.ppo_max_token_len_per_device={over}"])
+    from jaxppo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lower actor.ppo_max_token_len_per_device"):
+        start.prepare(cfg, quiet=True)
+
+
+def _staging_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("jaxppo-start-*")}
+
+
+def test_plan_only_exits_0_or_2_and_creates_nothing(tmp_path, capsys, one_device):
+    from jaxppo.train import main
+
+    before = _staging_dirs()
+    run = tmp_path / "run"
+    assert main([f"trainer.default_local_dir={run}", *FAST, "trainer.plan_only=true",
+                 "trainer.device_memory_gb=4"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan per device" in out and "actor update" in out and "plan: fits" in out
+    assert main([f"trainer.default_local_dir={run}", *FAST, "trainer.plan_only=true",
+                 "trainer.device_memory_gb=0.0001"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit the card" in err and "states alone" in err and "mesh.fsdp=" in err, err
+    assert not run.exists() and _staging_dirs() == before  # no run directory, no staged data left
+
+
+def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(tmp_path, one_device):
+    """XLA's own compile events, by program: each of the step's programs is compiled once per argument signature
+    (the plan's executables are the ones the steps call: no second compile of the same program)."""
+    from jax._src import monitoring
+
+    from jaxppo.train import make_engine_factory
+    from jaxppo.trainer import PPOTrainer
+
+    compiled: list[str] = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and "jaxppo_" in kw.get("fun_name", ""):
+            compiled.append(kw["fun_name"])
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        cfg = load_config(ROOT / "configs" / "default.yaml",
+                          [f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "trainer.sft_warmup_steps=0",
+                           "trainer.total_training_steps=2", "trainer.test_freq=-1", "actor.use_kl_loss=true"])
+        with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+            programs = [p for e in (trainer.actor, trainer.critic) for p in (e._forward_jit, e._update_jit)]
+            planned = {p.name: p.compiles() for p in programs}
+            assert all(planned.values()), planned  # every program compiled by the plan, before any state existed
+            trainer.fit()
+            after = {p.name: p.compiles() for p in programs}
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert after == planned  # the steps ran the plan's executables: none compiled again
+    for p in programs:
+        assert compiled.count(f"jit({p.jitted.__name__})") == p.compiles(), (p.name, compiled)
+
+
+def test_a_run_that_cannot_fit_exits_2_before_the_rollout_engine_starts(tmp_path, capsys, one_device, monkeypatch):
+    from jaxppo import train
+
+    started = []
+    monkeypatch.setattr(train, "make_engine_factory", lambda cfg: lambda *a: started.append(1))
+    rc = train.main([f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "rollout.engine=vllm",
+                     "trainer.device_memory_gb=0.001"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not started and "does not fit the card" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_split_gives_vllm_the_rest_or_checks_the_configured_share(tmp_path, one_device):
     from jaxppo import memory
-    from jaxppo.config import load_config, uses_critic
-    from jaxppo.models.config import load_config as load_model_config
+    from jaxppo.errors import ConfigError
+    from jaxppo.plan import VLLM_OVERHEAD
 
-    cfg = load_config(str(ROOT / row["config"]), [*row.get("overrides", []), *extra,
-                                                  f"model.path={shape_dir(row['shape'])}",
-                                                  f"trainer.device_memory_gb={H200_GB}"])
-    est, budgets = memory.plan_for_config(cfg, 1)
-    model = load_model_config(cfg.model.path)[0]
-    critic = model if uses_critic(cfg) else None
-    return est, memory.phases(cfg, model, critic, 1, budgets)
+    card = 10 * 2**30
+    auto = prepared(tmp_path, *FAST, "rollout.engine=vllm", "trainer.device_memory_gb=10").plan
+    v = auto.vllm
+    assert auto.jax_limit == auto.need  # JAX: its compiled peak + margin
+    assert v.bytes == int((1 - memory.MARGIN) * card) - auto.need and v.utilization == pytest.approx(v.bytes / card)
+    assert v.sequences == (v.bytes - v.weights - VLLM_OVERHEAD) // v.kv_per_sequence > 0
+    given = prepared(tmp_path, *FAST, "rollout.engine=vllm", "trainer.device_memory_gb=10",
+                     "rollout.gpu_memory_utilization=0.5").plan
+    assert given.vllm.utilization == 0.5 and given.jax_limit == int((1 - 0.5 - memory.MARGIN) * card)
+    with pytest.raises(ConfigError, match="vLLM's share .* cannot hold"):
+        prepared(tmp_path, *FAST, "rollout.engine=vllm", "trainer.device_memory_gb=10",
+                 "rollout.gpu_memory_utilization=0.01")
 
 
-def test_jax_takes_its_share_of_the_card_in_one_allocation():
-    """Grown on demand, XLA's allocator adds doubling regions it never returns, and an update's temporaries (one
-    buffer) then fit neither those regions' free chunks nor what is left to grow into (docs/memory.md)."""
+def test_jax_reserves_its_need_and_caps_its_growth():
     from jaxppo import memory
 
-    env = memory.plan(0.2)
-    assert env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.750"}
+    assert memory.backend_env(0.2) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                                       "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.750"}
+    assert memory.backend_env(0.0)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{1 - memory.MARGIN - memory.AUTO_VLLM_FLOOR:.3f}"
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        memory.plan(0.96)
+        memory.backend_env(0.96)
+    memory.reserve(2**30)  # on CPU: nothing
 
 
-def test_the_plan_bounds_every_request_xla_made(shape_dir):
-    rows = ledger_rows("memory_requests")
-    requests = [(row, q) for row in rows for q in row["figures"]["requests"]]
-    assert len(requests) >= 4
-    for row, q in requests:
-        key = BUDGET_KEYS[q["phase"].replace(" ", "_")]
-        tokens = q.get("row_tokens", q["budget"])  # the plan assumes rows as long as the budget
-        _, phases = plan(shape_dir, row, [f"{key}={tokens}"])
-        planned = sum(phases[q["phase"]].values()) / 2**30
-        assert q["gib"] <= planned <= 1.1 * q["gib"], (q, planned)
+def test_every_gpu_config_check_on_record_stayed_within_its_plan():
+    """The GPU checks of the committed configs (scripts/check_configs.py): none ran out of memory, and where a run
+    finished, JAX's measured peak <= the plan's peak (margin apart) <= 1.10 x the measured peak."""
+    from scripts import ledger
+    from scripts.check_configs import CHECKS, vllm_configs
 
-
-def test_the_plan_bounds_the_peaks_measured_through_the_trainer(shape_dir):
-    """Each step benchmark's peak (XLA's peak_bytes_in_use over 10 steps) under the plan at its token budgets,
-    overhead included (the buffers that live beside the planned components: batches, outputs, workspaces)."""
-    rows = [r for r in ledger_rows("ppo_step") if "memory/jax_peak_gb" in r["figures"] and r.get("token_budgets")]
-    assert {r["config"] for r in rows} >= {"configs/gsm8k_qwen2.5_0.5b.yaml", "configs/gsm8k_qwen2.5_1.5b.yaml",
-                                           "configs/gsm8k_qwen2.5_7b_lora.yaml"}
+    assert set(vllm_configs()) <= {c for _, c, _, _ in CHECKS}  # every committed vLLM config is checked
+    rows = [r for r in ledger.read() if r["bench"] == "config_check"]
     for row in rows:
-        has_critic = "perf/mfu/critic" in row["figures"]  # critic-free runs' critic budgets are not config keys
-        given = [f"{BUDGET_KEYS[k]}={v}" for k, v in row["token_budgets"].items()
-                 if v and (has_critic or k.startswith("actor"))]
-        est, _ = plan(shape_dir, row, given)
-        planned = est.total / 2**30
-        measured = row["figures"]["memory/jax_peak_gb"]
-        assert measured <= planned, (row["config"], row["commit"], measured, planned)
+        f = row["figures"]
+        assert not f["out_of_memory"], (row["check"], row["commit"])
+        assert f["exit_code"] in (0, 2), (row["check"], row["commit"], f.get("refusal"))
+        if f["exit_code"] == 0 and "jax_peak_gb" in f:
+            assert f["jax_peak_gb"] <= f["plan_gb"] <= 1.10 * f["jax_peak_gb"], (row["check"], row["commit"], f)
+    assert np.all([isinstance(r["figures"]["exit_code"], int) for r in rows])

@@ -27,17 +27,6 @@ BASE = [*FAST, "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer
         "trainer.test_freq=-1"]
 
 
-@pytest.fixture
-def one_device(monkeypatch):
-    """In-process runs see one device, as the subprocess runs that wrote the checkpoints did (and a user's CPU run
-    does); this test process has eight."""
-    import jax
-
-    first = jax.devices()[0]
-    monkeypatch.setattr(jax, "devices", lambda *a: [first])
-    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
-
-
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory) -> Path:
     """A 4-step run of the shrunk default with a checkpoint after every step (1, 2, 3, 4)."""

@@ -133,7 +133,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling
     top_k: int = -1  # -1: off
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)  # validation sampling
-    gpu_memory_utilization: float = 0.5  # vLLM's share of the card (GPU memory plan)
+    gpu_memory_utilization: float = 0.0  # vLLM's share of the card; 0: automatic (JAX its compiled need, vLLM the rest)
     enforce_eager: bool = False  # vLLM: no CUDA graphs
     cudagraph_mode: Optional[str] = None  # vLLM's compilation_config.cudagraph_mode (e.g. PIECEWISE); None: vLLM's
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation

@@ -1,0 +1,142 @@
+"""Every committed GPU config checked at the commit it is quoted at: each config under configs/ that uses vLLM (on
+random weights of its model's shape) and the Qwen3 shapes through the GRPO configs, each in a fresh process for a
+few steps with no overrides, one ledger row `"bench": "config_check"` per config: config, shape, commit, exit code,
+the plan's peak and each phase's program beside JAX's measured peak (`plan_gb`, `jax_peak_gb`), and, for a config
+refused at start (exit 2), the refusal's first lines.
+
+    python scripts/check_configs.py                         # everything (several device calls' worth)
+    python scripts/check_configs.py --only qwen2.5-0.5b,qwen3-0.6b --steps 3 --ledger $OUT/results.jsonl
+    python scripts/check_configs.py --list                  # what would run
+
+A config runs through scripts/bench_ppo_step.py --no-standalone: the synthetic task's prompts through the real data
+and reward code, random weights of the model's shape (scripts/shapes.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# (name, config, shape, overrides): the committed configs on their own model's shape, and the Qwen3 shapes through
+# the GRPO configs (8B with LoRA: the 7B LoRA config's recipe on Qwen3-8B)
+CHECKS = [
+    ("qwen2.5-0.5b", "configs/gsm8k_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),
+    ("qwen2.5-1.5b", "configs/gsm8k_qwen2.5_1.5b.yaml", "qwen2.5-1.5b", []),
+    ("qwen2.5-7b-lora", "configs/gsm8k_qwen2.5_7b_lora.yaml", "qwen2.5-7b", []),
+    ("qwen2.5-7b", "configs/gsm8k_qwen2.5_7b.yaml", "qwen2.5-7b", []),
+    ("grpo-qwen2.5-0.5b", "configs/gsm8k_grpo_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),
+    ("grpo-qwen2.5-1.5b", "configs/gsm8k_grpo_qwen2.5_1.5b.yaml", "qwen2.5-1.5b", []),
+    ("dapo-qwen2.5-0.5b", "configs/gsm8k_dapo_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),
+    ("drgrpo-qwen2.5-0.5b", "configs/gsm8k_drgrpo_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),
+    ("qwen3-0.6b", "configs/gsm8k_grpo_qwen2.5_0.5b.yaml", "qwen3-0.6b", []),
+    ("qwen3-1.7b", "configs/gsm8k_grpo_qwen2.5_1.5b.yaml", "qwen3-1.7b", []),
+    ("qwen3-4b", "configs/gsm8k_grpo_qwen2.5_1.5b.yaml", "qwen3-4b", []),
+    ("qwen3-8b-lora", "configs/gsm8k_qwen2.5_7b_lora.yaml", "qwen3-8b", []),
+]
+
+
+def vllm_configs() -> list[str]:
+    """The committed configs whose rollouts use vLLM (each must appear in CHECKS: a test keeps them equal)."""
+    import yaml
+
+    out = []
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text()) or {}
+        if (cfg.get("rollout") or {}).get("engine") == "vllm":
+            out.append(f"configs/{path.name}")
+    return out
+
+
+def run_one(name: str, config: str, shape: str, overrides: list[str], steps: int, timeout: float,
+            workdir: Path) -> dict:
+    """One config in a fresh process: (exit code, its bench JSON or refusal, seconds)."""
+    out_json = workdir / f"{name}.json"
+    log = workdir / f"{name}.log"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_ppo_step.py"), "--config", config, "--shape", shape,
+           "--steps", str(steps), "--no-standalone", "--no-ledger", "--json-out", str(out_json),
+           "--workdir", str(workdir / name), *overrides]
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    took = time.perf_counter() - t0
+    text = log.read_text(errors="replace")
+    result = {"name": name, "config": config, "shape": shape, "overrides": overrides, "exit_code": rc,
+              "seconds": round(took, 1), "out_of_memory": "RESOURCE_EXHAUSTED" in text or "out of memory" in text}
+    if out_json.is_file():
+        result["bench"] = json.loads(out_json.read_text())
+    if rc != 0:
+        lines = [ln for ln in text.splitlines() if ln.startswith(("error:", "config error:", "  "))]
+        result["refusal"] = "\n".join(lines[:12]) if rc == 2 else text[-3000:]
+    return result
+
+
+def row_of(result: dict, steps: int) -> dict:
+    from scripts import ledger
+
+    figures = {"exit_code": result["exit_code"], "seconds": result["seconds"],
+               "out_of_memory": result["out_of_memory"]}
+    bench = result.get("bench")
+    if bench:
+        med = bench["median_steps_3_to_n"]
+        figures.update({
+            "plan_gb": bench["memory_estimate_gb"], "plan_margin_gb": bench.get("memory_margin_gb"),
+            "jax_peak_gb": max(bench.get("jax_peak_gb_per_step", [med.get("memory/jax_peak_gb", 0.0)])),
+            "plan_phases_gb": {k: v for k, v in bench["memory_plan_gb"].items()},
+            "held_gb": bench["memory_held_gb"], "token_budgets": bench.get("token_budgets"),
+            "vllm_utilization": bench.get("vllm_utilization"),
+            "vllm_sequences_at_once": bench.get("vllm_sequences_at_once"),
+            "timing_s/step": med.get("timing_s/step"), "compiles_per_step": bench.get("compiles_per_step")})
+    if "refusal" in result:
+        figures["refusal"] = result["refusal"]
+    cmd = f"python scripts/check_configs.py --only {result['name']} --steps {steps}"
+    return ledger.make_row("config_check", figures, config=result["config"], overrides=result["overrides"],
+                           command=cmd, shape=result["shape"], check=result["name"], samples={"steps": steps})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="comma list of check names (default: all)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
+    p.add_argument("--workdir", default="/tmp/jaxppo_check_configs")
+    p.add_argument("--ledger", default=None, help="ledger file for the rows (default: the repo's)")
+    p.add_argument("--list", action="store_true")
+    args = p.parse_args(argv)
+    chosen = [c for c in CHECKS if not args.only or c[0] in args.only.split(",")]
+    if args.list:
+        for c in chosen:
+            print(*c[:3])
+        return 0
+    from scripts import ledger
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name, config, shape, overrides in chosen:
+        result = run_one(name, config, shape, overrides, args.steps, args.timeout, workdir)
+        row = row_of(result, args.steps)
+        ledger.append(row, args.ledger)
+        f = row["figures"]
+        print(f"{name:<22} exit {f['exit_code']}  {f['seconds']:6.0f} s  plan {f.get('plan_gb', float('nan')):6.1f} GiB"
+              f"  JAX peak {f.get('jax_peak_gb', float('nan')):6.1f} GiB  step {f.get('timing_s/step') or 0:5.2f} s"
+              + ("  OUT OF MEMORY" if f["out_of_memory"] else ""), flush=True)
+        if "refusal" in f:
+            print("  " + f["refusal"].replace("\n", "\n  ")[:1500], flush=True)
+        failed += f["exit_code"] not in (0, 2) or f["out_of_memory"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
