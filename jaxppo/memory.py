@@ -26,7 +26,6 @@ import dataclasses
 import os
 from typing import Any
 
-from jaxppo.errors import ConfigError
 from jaxppo.models.config import ModelConfig
 
 MARGIN = 0.05  # CUDA context, cuBLAS / cuDNN workspaces, NCCL buffers, fragmentation
@@ -81,6 +80,16 @@ def reserve(nbytes: int) -> None:
     block = jax.device_put(jnp.zeros((rows, 1 << 20), jnp.float32), jax.local_devices()[0])
     block.block_until_ready()
     block.delete()
+
+
+def pool_bytes() -> int | None:
+    """What XLA's allocator holds on the first GPU (its regions, used or free); None elsewhere."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("pool_bytes", stats.get("bytes_reserved"))
 
 
 def jax_fraction() -> float:

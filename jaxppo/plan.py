@@ -78,6 +78,9 @@ class Plan:
     jax_limit: int | None  # JAX's share
     vllm: VllmShare | None
     budgets: memory.TokenBudgets
+    # each phase group's chosen programs compiled as the run compiles them, (name, memory, resident argument
+    # bytes) each: what `finalize` runs once JAX holds its share (autotuning allocates from it)
+    finals: list[Callable[[], list[tuple[str, Memory, int]]]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def resident(self) -> int:
@@ -274,6 +277,7 @@ def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
     rungs = ladder(P + R)
     actor_keys, critic_keys = update_keys(cfg, build.ref is not None)
     phases: list[Phase] = []
+    finals: list[Callable[[], list[tuple[str, Memory, int]]]] = []
     chosen: dict[str, int] = {}
 
     def plan_phase(names: tuple[str, ...], sub: Any, budget_key: str, given: int, seed: int, rows: int,
@@ -283,11 +287,12 @@ def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
         if not sub.use_dynamic_bsz:
             batch = _abstract_padded(build.actor, _with_keys(_fake_batch(rows, P, R, P), keys, R))
             for n, (fn, resident_args) in zip(names, programs):
-                mem = fn(batch, False)
+                mem = fn(batch, True)
                 phases.append(Phase(n, None, None, mem, mem.beside(resident_args), 1))
+            finals.append(lambda: [(n, fn(batch, False), r) for n, (fn, r) in zip(names, programs)])
             return
         host = _with_keys(_fake_batch(rows, P, R, 1), keys, R)
-        probes: dict[int, int] = {}
+        probed: dict[int, list[Memory]] = {}
 
         def measure(budget: int, probe: bool) -> list[Memory]:
             batch = _abstract_packed(build.actor, host, budget, budget_key)
@@ -297,26 +302,21 @@ def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
             return max(m.beside(r) for m, (_, r) in zip(mems, programs))
 
         def cost(budget: int) -> int:
-            probes[budget] = worst(measure(budget, True))
-            return probes[budget]
+            probed[budget] = measure(budget, True)
+            return worst(probed[budget])
 
-        rungs_left = rungs
-        while True:
-            if given > 0:
-                budget, tries = given, 0
-            else:
-                budget, tries = search_budget(cost, avail, rungs_left, seed)
-                if budget is None:
-                    raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin,
-                                               search_limit, probes[rungs_left[0]]))
-            mems = measure(budget, False)  # the rung chosen, compiled as the run compiles (and kept)
-            if given > 0 or avail is None or worst(mems) <= avail or budget == rungs[0]:
-                break
-            rungs_left = [r for r in rungs if r < budget]  # autotuned kernels asked for more: one rung down
-            seed = rungs_left[-1]
+        if given > 0:
+            budget, tries = given, 1
+            cost(given)
+        else:
+            budget, tries = search_budget(cost, avail, rungs, seed)
+            if budget is None:
+                raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin, search_limit,
+                                           worst(probed[rungs[0]])))
         chosen[budget_key] = budget
-        for n, m, (_, r) in zip(names, mems, programs):
-            phases.append(Phase(n, budget_key, budget, m, m.beside(r), tries + 1))
+        for n, m, (_, r) in zip(names, probed[budget], programs):
+            phases.append(Phase(n, budget_key, budget, m, m.beside(r), tries))
+        finals.append(lambda: [(n, m, r) for n, m, (_, r) in zip(names, measure(budget, False), programs)])
 
     a_state, a_frozen = build.actor_state, build.actor_frozen
     a = cfg.actor
@@ -352,22 +352,45 @@ def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
         actor_forward=chosen.get("actor.log_prob_max_token_len_per_device", 0),
         critic_update=chosen.get("critic.ppo_max_token_len_per_device", 0),
         critic_forward=chosen.get("critic.forward_max_token_len_per_device", 0))
-    plan = Plan(states, phases, margin, card, jax_limit, None, budgets)
+    plan = Plan(states, phases, margin, card, jax_limit, None, budgets, finals)
     if vllm:
         plan = _split(cfg, plan, weights, kv_seq, step_seqs)
     check(cfg, plan)
     return plan
 
 
-def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, step_seqs: int) -> Plan:
-    """vLLM's share: the rest of the card beside JAX's need (automatic), or the configured fraction."""
+def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None) -> Plan:
+    """Compile each chosen program as the run runs it (kept for the run; on a GPU with autotuning, which allocates
+    from JAX's share: call once that is reserved) and re-plan with XLA's memory for those. `held`: what JAX holds
+    after the compiles (its allocator's pool); with an automatic split vLLM gets the card beside that. ConfigError when the
+    programs no longer fit what was reserved, saying what to change."""
+    phases = {p.name: p for p in plan.phases}
+    for final in plan.finals:
+        for name, mem, resident_args in final():
+            phases[name] = dataclasses.replace(phases[name], memory=mem, program=mem.beside(resident_args))
+    out = dataclasses.replace(plan, phases=[phases[p.name] for p in plan.phases], finals=[])
+    if plan.vllm is not None and cfg.rollout.gpu_memory_utilization == 0:
+        weights, kv = plan.vllm.weights, plan.vllm.kv_per_sequence
+        out = _split(cfg, out, weights, kv, plan.vllm.step_sequences, held=max(held() or 0, out.need))
+        if out.need > plan.need:
+            raise ConfigError(f"the run does not fit the card: its programs compiled with autotuning need "
+                              f"{(out.need - plan.need) / GiB:.2f} GiB more than the plan reserved "
+                              f"({plan.need / GiB:.1f} GiB): raise trainer.memory_margin_gb or lower the token "
+                              "budgets\n" + out.table())
+    check(cfg, out)
+    return out
+
+
+def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, step_seqs: int, held: int | None = None) -> Plan:
+    """vLLM's share: the rest of the card beside what JAX holds (`held`, else its need: automatic), or the
+    configured fraction."""
     card = plan.card
     u = cfg.rollout.gpu_memory_utilization
     if u > 0:
         share = int(u * card)
         jax_limit = plan.jax_limit
     else:
-        share = int((1.0 - memory.MARGIN) * card) - plan.need
+        share = int((1.0 - memory.MARGIN) * card) - (held if held is not None else plan.need)
         jax_limit = plan.need
         u = max(share, 0) / card
     held = max(share - weights - VLLM_OVERHEAD, 0) // max(kv_seq, 1)
@@ -431,4 +454,4 @@ def _refusal(cfg: Any, build: Any, name: str, key: str, smallest: int, resident:
             "more devices (mesh.fsdp)")
 
 
-__all__ = ["Plan", "Phase", "VllmShare", "make_plan", "check", "search_budget", "ladder", "vllm_minimum"]
+__all__ = ["Plan", "Phase", "VllmShare", "make_plan", "finalize", "check", "search_budget", "ladder", "vllm_minimum"]

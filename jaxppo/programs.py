@@ -93,8 +93,9 @@ class Program:
         """XLA's memory for these arguments from a compile that is not kept, with GPU autotuning off (the kernels'
         choice barely moves the buffers, and autotuning is most of a large program's compile time): what the
         budget search asks of the rungs it does not run. The rung it picks is compiled and kept (`memory`)."""
-        options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
-        return Memory.of(self.jitted.lower(*args).compile(compiler_options=options))
+        if jax.default_backend() != "gpu":  # nothing to turn off: the probe is the program, kept
+            return self.memory(*args)
+        return Memory.of(self.jitted.lower(*args).compile(compiler_options={"xla_gpu_autotune_level": 0}))
 
     def __call__(self, *args: Any) -> Any:
         exe = self.compile(*args)

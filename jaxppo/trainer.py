@@ -19,6 +19,7 @@ import jax
 from jaxppo import distributed as dist
 from jaxppo import memory
 from jaxppo import start
+from jaxppo.plan import finalize
 from jaxppo import step as ppo_step
 from jaxppo import validation
 from jaxppo.checkpoint import RunCheckpointer, restore_from
@@ -79,6 +80,9 @@ class PPOTrainer:
         # JAX's share of the card is taken now, before the rollout engine starts (vLLM checks at start that its
         # share is free); the states are then created inside it (docs/memory.md)
         memory.reserve(self.plan.need if self.plan.vllm is not None else 0)
+        # the chosen programs compiled as the run runs them (with autotuning, inside the reservation), kept
+        self.plan = finalize(cfg, self.plan, memory.pool_bytes)
+        log.info("memory plan with the programs the run calls:\n%s", self.plan.table())
         if self.plan.vllm is not None and jax.default_backend() == "gpu":
             log.info(memory.describe(self.plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")))
         engine = engine_factory(self.model_dir, self)

@@ -22,4 +22,4 @@ else
   grep -h -A14 "memory plan per device" /tmp/cc/*.log | head -80
 fi
 tar czf $OUT/logs_$tag.tgz -C /tmp/cc --exclude='*/run' --exclude='*/data' --exclude='*/tokenizer' \
-  --exclude='qwen*' . 2>/dev/null
+  --exclude='qwen*/*' --exclude='bench' . 2>/dev/null
