@@ -1,19 +1,21 @@
-"""The card's split between vLLM and JAX, JAX's reservation, and the fitted constants that seed the compiled
-memory plan's budget search (`jaxppo/plan.py` decides; docs/memory.md).
+"""The card's split between vLLM and JAX, and the fitted constants that seed the compiled memory plan's budget
+search (`jaxppo/plan.py` decides; docs/memory.md).
 
-The split: `jaxppo.plan` compiles the step's programs and knows what JAX needs per device; JAX takes exactly that
-(`reserve`: one allocation made and freed before anything else, so XLA's allocator holds it as one region that
-the states and every program's temporaries are carved from), then vLLM starts with the rest of the card (less
-MARGIN for CUDA contexts), or with `rollout.gpu_memory_utilization` when set. JAX runs with
-`XLA_PYTHON_CLIENT_PREALLOCATE=false` and `XLA_PYTHON_CLIENT_MEM_FRACTION` as a ceiling only; both must be set
-before JAX initialises its GPU backend, which is why `jaxppo.train` calls `apply` first.
+The split, one process with in-process vLLM on a GPU: the plan is compiled in a child process (`plan_in_child`:
+JAX there grows on demand and the budget search's probes skip autotuning), which says what JAX needs per device.
+The training process then takes exactly that (plus PLAN_SLACK) as one allocation at start
+(`XLA_PYTHON_CLIENT_PREALLOCATE=true`, `XLA_PYTHON_CLIENT_MEM_FRACTION`), vLLM starts with the rest of the card
+less MARGIN for CUDA contexts (or with `rollout.gpu_memory_utilization` when set), and the budgets the child chose
+are given to the run. The variables must be set before JAX initialises its GPU backend, which is why
+`jaxppo.train` does this first. Several processes (jax.distributed) plan in-process against the configured split.
 
-Why one region: grown on demand, XLA's BFC allocator adds regions of doubling size (2 MiB, 4 MiB, ..., 32 GiB) and
-never returns them; an executable's temporaries are one contiguous buffer. On the H200 the 1.5B PPO run's states
-(37.4 GiB) had grown the pool to 64 GiB of regions by the first update, and the critic update's 49.5 GiB temporary
-then fit neither a free chunk of those regions nor the 40.9 GiB left to grow into (2026-12-01, docs/benchmarks.md
-"PPO step"). Until 2026-12-02 JAX preallocated `1 - u - MARGIN` of the card at start for the same reason; the
-reservation gives the same single region, sized by the compiler's plan instead of a guess made before it.
+Why one allocation, and why the plan cannot take it in-process: grown on demand, XLA's BFC allocator adds regions of
+doubling size (2 MiB, 4 MiB, ..., 32 GiB, 64 GiB) and never returns them; an executable's temporaries are one
+contiguous buffer. On the H200 the 1.5B PPO run's states (37.4 GiB) had grown the pool to 64 GiB of regions by the
+first update, and the critic update's 49.5 GiB temporary then fit neither a free chunk of those regions nor the
+40.9 GiB left to grow into (2026-12-01, docs/benchmarks.md "PPO step"). Reserving the need in-process after the plan
+(one buffer made and freed) gets a power-of-two region instead: 64 GiB for the 0.5B run's 47.2 GiB need
+(2026-12-02), the difference lost to vLLM. The fraction of a preallocation is read only when JAX starts.
 
 The constants below were fitted as upper bounds of what XLA asked for on the H200 (jax 0.11.2, packed rows,
 unrolled layers, dots_attn) at three model shapes; they failed on the first shapes they were not fitted to (the 7B
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 from jaxppo.models.config import ModelConfig
@@ -44,17 +47,19 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # ------------------------------------------------------------------ the vLLM / JAX split
 
 
-AUTO_VLLM_FLOOR = 0.03  # of the card kept from JAX's ceiling with an automatic split (vLLM's weights, one sequence)
+AUTO_FALLBACK = 0.25  # vLLM's share under an automatic split that no plan resolved (several processes)
 
 
-def backend_env(gpu_memory_utilization: float) -> dict[str, str]:
-    """Environment for JAX beside in-process vLLM: no preallocation (JAX reserves its planned need, `reserve`), and a
-    ceiling of 1 - u - MARGIN of the card (automatic split, u = 0: 1 - MARGIN - AUTO_VLLM_FLOOR)."""
+def backend_env(gpu_memory_utilization: float, grow: bool = False) -> dict[str, str]:
+    """Environment for JAX beside in-process vLLM: its share 1 - u - MARGIN of the card taken as one allocation at
+    start (with an automatic split, u = 0, where no plan chose u: vLLM AUTO_FALLBACK); `grow`: taken on demand up
+    to that (the child process that plans, which must leave the card to its parent)."""
     u = gpu_memory_utilization
     if not 0.0 <= u < 1.0 - MARGIN:
         raise ValueError(f"rollout.gpu_memory_utilization must be in [0, {1 - MARGIN}), got {u}")
-    ceiling = 1.0 - u - MARGIN if u > 0 else 1.0 - MARGIN - AUTO_VLLM_FLOOR
-    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{ceiling:.3f}"}
+    share = 1.0 - (u or AUTO_FALLBACK) - MARGIN
+    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false" if grow else "true",
+            "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{share:.3f}"}
 
 
 def apply(gpu_memory_utilization: float) -> dict[str, str]:
@@ -65,21 +70,73 @@ def apply(gpu_memory_utilization: float) -> dict[str, str]:
     return {k: os.environ[k] for k in env}
 
 
-def reserve(nbytes: int) -> None:
-    """Make XLA's allocator hold `nbytes` on the first GPU as one region, before anything else is allocated there: one
-    buffer of that size, freed at once (the allocator keeps the region). Nothing on CPU, with `nbytes` 0, or where
-    JAX preallocated its share anyway."""
-    import jax
+PLAN_SLACK = 1 * GiB  # added to the planned need for JAX's allocation: the autotuned programs may ask a little
+# more than the plan's probes (seen: 0.2 GiB at 0.5B)
+BUDGET_KEYS = {"actor_update": "actor.ppo_max_token_len_per_device",
+               "actor_forward": "actor.log_prob_max_token_len_per_device",
+               "critic_update": "critic.ppo_max_token_len_per_device",
+               "critic_forward": "critic.forward_max_token_len_per_device"}
 
-    if nbytes <= 0 or jax.default_backend() != "gpu" or \
-            os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() != "false":
-        return
-    import jax.numpy as jnp
 
-    rows = -(-int(nbytes) // (4 << 20))  # 4 MiB rows: no dimension past int32
-    block = jax.device_put(jnp.zeros((rows, 1 << 20), jnp.float32), jax.local_devices()[0])
-    block.block_until_ready()
-    block.delete()
+def plans_in_a_child(cfg: Any) -> bool:
+    """The plan runs in a child process where it decides JAX's allocation: in-process vLLM on a GPU, one process
+    (jax.distributed runs plan in-process against their configured split), training (not plan_only / val_only)."""
+    import shutil
+
+    from jaxppo.distributed import topology_from_env
+
+    t = cfg.trainer
+    gpu = os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu") and shutil.which("nvidia-smi") is not None
+    return (gpu and not t.plan_only and not t.val_only and os.environ.get("JAXPPO_PLAN_CHILD") != "1"
+            and topology_from_env() is None)
+
+
+def plan_in_child(cfg: Any, argv: list[str]) -> tuple[int, Any]:
+    """Run `python -m jaxppo.train ARGV trainer.plan_only=true` in a child (JAX growing on demand there, the budget
+    search's probes compiled without autotuning) and take its plan: the token budgets it chose become given
+    budgets, vLLM's share its `gpu_memory_utilization`, and JAX here preallocates the planned need as one region
+    (`XLA_PYTHON_CLIENT_MEM_FRACTION`). Returns (exit code: 2 when the run cannot fit, the child's refusal
+    printed; the config to run)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="jaxppo-plan-") as tmp:
+        out = Path(tmp) / "plan.json"
+        env = dict(os.environ, JAXPPO_PLAN_CHILD="1", JAXPPO_PROBE_WITHOUT_AUTOTUNE="1",
+                   **backend_env(cfg.rollout.gpu_memory_utilization, grow=True))
+        res = subprocess.run([sys.executable, "-m", "jaxppo.train", "--plan-json", str(out), *argv,
+                              "trainer.plan_only=true"], env=env, stdout=subprocess.PIPE, text=True)
+        if res.returncode != 0:
+            return res.returncode, cfg
+        plan = json.loads(out.read_text())
+    log = __import__("logging").getLogger(__name__)
+    log.info("memory plan (compiled in a child process):\n%s", plan["table"])
+    given = [f"{BUDGET_KEYS[k]}={v}" for k, v in plan["budgets"].items() if v > 0]
+    card, need = plan["card"], plan["need"]
+    u = cfg.rollout.gpu_memory_utilization
+    if u == 0 and plan["vllm"] is not None:  # automatic: JAX its need (+ slack), vLLM the rest
+        jax_share = min((need + PLAN_SLACK) / card, 1.0 - MARGIN - 0.01)
+        u = max(1.0 - MARGIN - jax_share, 0.01)
+        given.append(f"rollout.gpu_memory_utilization={u:.4f}")
+    else:
+        jax_share = 1.0 - u - MARGIN
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{jax_share:.4f}")
+    return 0, load_config_like(cfg, given)
+
+
+def load_config_like(cfg: Any, overrides: list[str]) -> Any:
+    """`cfg` with dotted overrides applied (through the loader, so they are checked like a user's)."""
+    import tempfile
+
+    from jaxppo.config import load_config, to_yaml
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(to_yaml(cfg))
+        f.flush()
+        return load_config(f.name, overrides)
 
 
 def pool_bytes() -> int | None:

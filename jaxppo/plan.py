@@ -103,6 +103,15 @@ class Plan:
     def fits(self) -> bool:
         return self.jax_limit is None or self.need <= self.jax_limit
 
+    def summary(self) -> dict[str, Any]:
+        """The plan as plain numbers (bytes per device): what a training process takes from the child that planned
+        for it, and what scripts record."""
+        return {"need": self.need, "peak": self.peak, "margin": self.margin, "card": self.card,
+                "jax_limit": self.jax_limit, "states": dict(self.states), "budgets": dataclasses.asdict(self.budgets),
+                "phases": {p.name: {"budget": p.budget, "program": p.program, "temps": p.memory.temps}
+                           for p in self.phases},
+                "vllm": None if self.vllm is None else dataclasses.asdict(self.vllm), "table": self.table()}
+
     def table(self) -> str:
         gb = lambda b: f"{b / GiB:8.2f} GiB" if b >= GiB else f"{b / 2**20:8.1f} MiB"  # noqa: E731
         lines = ["memory plan per device (XLA's compiled programs):", "  resident states:"]

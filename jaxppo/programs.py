@@ -90,11 +90,14 @@ class Program:
         return Memory.of(self.compile(*args))
 
     def probe(self, *args: Any) -> Memory:
-        """XLA's memory for these arguments from a compile that is not kept, with GPU autotuning off (the kernels'
-        choice barely moves the buffers, and autotuning is most of a large program's compile time): what the
-        budget search asks of the rungs it does not run. The rung it picks is compiled and kept (`memory`)."""
-        if jax.default_backend() != "gpu":  # nothing to turn off: the probe is the program, kept
-            return self.memory(*args)
+        """XLA's memory for these arguments: what the budget search asks of each rung. In the child process that
+        plans a GPU run (JAXPPO_PROBE_WITHOUT_AUTOTUNE=1, `jaxppo.memory.plan_in_child`), from a compile with
+        autotuning off that is not kept (the kernels' choice barely moves the buffers, and autotuning is most of a
+        large program's compile time); elsewhere the program itself, compiled and kept."""
+        import os
+
+        if jax.default_backend() != "gpu" or os.environ.get("JAXPPO_PROBE_WITHOUT_AUTOTUNE") != "1":
+            return self.memory(*args)  # the probe is the program the run calls: compiled once, kept
         return Memory.of(self.jitted.lower(*args).compile(compiler_options={"xla_gpu_autotune_level": 0}))
 
     def __call__(self, *args: Any) -> Any:

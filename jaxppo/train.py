@@ -41,6 +41,7 @@ def parse(argv: list[str]):
     p = argparse.ArgumentParser(prog="python -m jaxppo.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name} when it exists)")
+    p.add_argument("--plan-json", default=None, help="with trainer.plan_only: also write the plan as JSON to this file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.train_batch_size=64")
     return p.parse_args(argv)
 
@@ -59,7 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.rollout.engine == "vllm":  # before JAX touches the GPU: see jaxppo/memory.py
             from jaxppo import memory
 
-            memory.apply(cfg.rollout.gpu_memory_utilization)
+            if memory.plans_in_a_child(cfg):
+                # the plan compiled in a child process, so that JAX here takes exactly its need as one allocation
+                # and vLLM the rest; this process then runs with the budgets and the split the plan chose
+                rc, cfg = memory.plan_in_child(cfg, [*(["--config", str(path)] if path else []), *args.overrides])
+                if rc:
+                    return rc
+            else:
+                memory.apply(cfg.rollout.gpu_memory_utilization)
         from jaxppo.distributed import initialize_from_env
 
         initialize_from_env()  # several processes (jaxppo.launch, torchrun, SLURM): one global mesh
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.trainer.val_only:
         return validate_only(cfg)
     if cfg.trainer.plan_only:
-        return plan_only(cfg)
+        return plan_only(cfg, args.plan_json)
     from jaxppo.trainer import PPOTrainer
 
     try:
@@ -92,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     return trainer.exit_code
 
 
-def plan_only(cfg) -> int:
+def plan_only(cfg, plan_json: str | None = None) -> int:
     """`trainer.plan_only=true`: compile the step's programs, print the memory plan, exit 0 if it fits, 2 if not
-    (saying what to change); no rollout engine, no states, no run directory."""
+    (saying what to change); no rollout engine, no states, no run directory. `plan_json`: the plan as JSON too
+    (what a training process reads from the child that planned for it, `jaxppo.memory.plan_in_child`)."""
+    import json
     import shutil
 
     from jaxppo import start
@@ -106,6 +116,8 @@ def plan_only(cfg) -> int:
         return 2
     if prep.staging is not None:
         shutil.rmtree(prep.staging, ignore_errors=True)
+    if plan_json:
+        Path(plan_json).write_text(json.dumps(prep.plan.summary()))
     print(prep.plan.table())
     print(f"token budgets per device per micro-batch: {prep.plan.budgets}")
     print(f"plan: fits ({prep.plan.need / 2**30:.2f} GiB per device for JAX"

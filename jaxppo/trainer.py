@@ -77,10 +77,8 @@ class PPOTrainer:
         self.use_critic = b.critic is not None
         self.warm_dir = self.run_dir / "warm_model"
         check_warm_model(self.warm_dir, self.model_cfg, self.model_dir)
-        # JAX's share of the card is taken now, before the rollout engine starts (vLLM checks at start that its
-        # share is free); the states are then created inside it (docs/memory.md)
-        memory.reserve(self.plan.need if self.plan.vllm is not None else 0)
-        # the chosen programs compiled as the run runs them (with autotuning, inside the reservation), kept
+        # the chosen programs compiled as the run runs them (kept: the plan's own where it compiled them here), before
+        # the rollout engine starts: vLLM checks at start that its share of the card is free (docs/memory.md)
         self.plan = finalize(cfg, self.plan, memory.pool_bytes)
         log.info("memory plan with the programs the run calls:\n%s", self.plan.table())
         if self.plan.vllm is not None and jax.default_backend() == "gpu":

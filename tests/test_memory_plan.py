@@ -149,15 +149,41 @@ def test_the_split_gives_vllm_the_rest_or_checks_the_configured_share(tmp_path, 
                  "rollout.gpu_memory_utilization=0.01")
 
 
-def test_jax_reserves_its_need_and_caps_its_growth():
+def test_jax_takes_its_share_as_one_allocation_and_the_planning_child_grows_on_demand():
     from jaxppo import memory
 
-    assert memory.backend_env(0.2) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    assert memory.backend_env(0.2) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true",
                                        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.750"}
-    assert memory.backend_env(0.0)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{1 - memory.MARGIN - memory.AUTO_VLLM_FLOOR:.3f}"
+    assert memory.backend_env(0.2, grow=True)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert memory.backend_env(0.0)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{1 - memory.AUTO_FALLBACK - memory.MARGIN:.3f}"
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         memory.backend_env(0.96)
-    memory.reserve(2**30)  # on CPU: nothing
+
+
+def test_a_gpu_run_takes_the_budgets_and_the_split_of_the_plan_its_child_compiled(tmp_path, monkeypatch):
+    """`memory.plan_in_child` through a real child process (on CPU, the card given): the run gets the child's
+    budgets as given ones, vLLM the card beside JAX's need, and JAX one allocation of that need."""
+    from jaxppo import memory
+
+    for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS"):  # one device there
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    args = [f"trainer.default_local_dir={tmp_path / 'run'}", *PACKED, "rollout.engine=vllm",
+            "trainer.device_memory_gb=20", "actor.log_prob_max_token_len_per_device=0"]
+    cfg = load_config(ROOT / "configs" / "default.yaml", args)
+    rc, run_cfg = memory.plan_in_child(cfg, ["--config", str(ROOT / "configs" / "default.yaml"), *args])
+    assert rc == 0
+    a = run_cfg.actor
+    assert a.ppo_max_token_len_per_device == a.log_prob_max_token_len_per_device == 32768  # the child's choice
+    u = run_cfg.rollout.gpu_memory_utilization
+    share = float(__import__("os").environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+    assert __import__("os").environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    assert 0 < u < 1 - memory.MARGIN and share == pytest.approx(1 - memory.MARGIN - u, abs=2e-4)
+    assert not (tmp_path / "run").exists()  # the child planned only
+    bad = [*args[:-2], "trainer.device_memory_gb=0.0001"]
+    rc, _ = memory.plan_in_child(load_config(ROOT / "configs" / "default.yaml", bad),
+                                 ["--config", str(ROOT / "configs" / "default.yaml"), *bad])
+    assert rc == 2
 
 
 def test_every_gpu_config_check_on_record_stayed_within_its_plan():
