@@ -164,14 +164,19 @@ def _abstract_padded(engine: Any, batch: dict[str, np.ndarray]) -> dict[str, jax
     return out
 
 
-def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, what: str
+def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, what: str, shortest_prompt: int
                      ) -> dict[str, jax.ShapeDtypeStruct]:
-    """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`: the most tokens and
-    response-token slots a row of that budget can hold."""
-    from jaxppo.packing import pack
+    """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`: `batch` holds every
+    sequence at the longest prompt and a full response (the most tokens: the longest rows, the most micro-batches),
+    and each row gets as many response-token slots and sequences as the budget could hold at the shortest prompt
+    (`shortest_prompt`), within the batch's own: no batch of these data packs into a larger program."""
+    from jaxppo.packing import bucket, pack
 
     local = engine.batch_shards // jax.process_count()
-    packed = pack(batch, engine.response_length, budget, local, what)
+    R = engine.response_length
+    seqs = -(-batch["input_ids"].shape[0] // local)
+    per_row = max(min(seqs, budget // (shortest_prompt + R)), 1)
+    packed = pack(batch, R, budget, local, what, min_slots=bucket(per_row * R), min_runs=bucket(per_row + 1))
     out = {}
     for k, v in packed.arrays.items():
         shape = (v.shape[0], v.shape[1] * jax.process_count()) + v.shape[2:]
@@ -245,9 +250,10 @@ def vllm_minimum(cfg: Any, model: Any) -> int:
     return weights + VLLM_OVERHEAD + kv
 
 
-def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
+def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int, int] | None = None) -> Plan:
     """Compile the step's programs for `build` (a `jaxppo.build.Build`: engines and abstract states) and choose
-    the budgets and the vLLM / JAX split; raises ConfigError when nothing fits, saying what to change."""
+    the budgets and the vLLM / JAX split; raises ConfigError when nothing fits, saying what to change.
+    `prompt_lengths`: (shortest, longest) prompt of the data, in tokens (default: 1 and data.max_prompt_length)."""
     from jaxppo.step import update_keys
 
     d, r = cfg.data, cfg.rollout
@@ -283,6 +289,7 @@ def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
     rows_step = step_seqs // jax.process_count()
     seeds = memory.token_budgets(cfg, build.actor_cfg, build.critic_cfg, build.shards, card)
     P, R = d.max_prompt_length, d.max_response_length
+    shortest, longest = prompt_lengths or (1, P)
     rungs = ladder(P + R)
     actor_keys, critic_keys = update_keys(cfg, build.ref is not None)
     phases: list[Phase] = []
@@ -300,11 +307,11 @@ def make_plan(cfg: Any, build: Any, card: int | None) -> Plan:
                 phases.append(Phase(n, None, None, mem, mem.beside(resident_args), 1))
             finals.append(lambda: [(n, fn(batch, False), r) for n, (fn, r) in zip(names, programs)])
             return
-        host = _with_keys(_fake_batch(rows, P, R, 1), keys, R)
+        host = _with_keys(_fake_batch(rows, P, R, longest), keys, R)
         probed: dict[int, list[Memory]] = {}
 
         def measure(budget: int, probe: bool) -> list[Memory]:
-            batch = _abstract_packed(build.actor, host, budget, budget_key)
+            batch = _abstract_packed(build.actor, host, budget, budget_key, shortest)
             return [fn(batch, probe) for fn, _ in programs]
 
         def worst(mems: list[Memory]) -> int:

@@ -69,7 +69,8 @@ def prepare(cfg: Config, quiet: bool = False) -> Prepared:
             actor_cfg = tiny_model_config(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
             critic_cfg = actor_cfg if uses_critic(cfg) else None
         b = build(cfg, mesh, actor_cfg, critic_cfg, total_steps)
-        plan = make_plan(cfg, b, memory.card_bytes(t.device_memory_gb))
+        lengths = [len(ids) for ds in (train_ds,) for ids in ds.input_ids]
+        plan = make_plan(cfg, b, memory.card_bytes(t.device_memory_gb), (min(lengths), max(lengths)))
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)

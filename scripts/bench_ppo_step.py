@@ -19,6 +19,7 @@ and the standalone generation are per process, and process 0 prints and records 
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import json
 import logging
@@ -112,7 +113,6 @@ def main(argv=None) -> int:
     cfg0 = load_config(args.config, args.overrides)
     from jaxppo import memory
 
-    plan = memory.apply(cfg0.rollout.gpu_memory_utilization) if cfg0.rollout.engine == "vllm" else {}
     if cfg0.rollout.engine == "vllm":
         import vllm.logger  # noqa: F401  (configures vLLM's logger, which our collector then joins)
     logging.getLogger("vllm").addHandler(start_log)
@@ -134,6 +134,15 @@ def main(argv=None) -> int:
         "trainer.val_before_train=false", f"trainer.default_local_dir={work / 'run'}", "trainer.logger=[]",
         "trainer.resume_mode=disable"]
     cfg = load_config(args.config, overrides)
+    plan = {}
+    if cfg.rollout.engine == "vllm":  # as `python -m jaxppo.train` does, before JAX starts on the GPU
+        if memory.plans_in_a_child(cfg):
+            rc, cfg = memory.plan_in_child(cfg, ["--config", args.config, *overrides])
+            if rc:
+                return rc
+        else:
+            memory.apply(cfg.rollout.gpu_memory_utilization)
+        plan = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
     from jaxppo.train import make_engine_factory
     from jaxppo.trainer import PPOTrainer
 

@@ -86,7 +86,7 @@ def row_of(result: dict, steps: int) -> dict:
 
     figures = {"exit_code": result["exit_code"], "seconds": result["seconds"],
                "out_of_memory": result["out_of_memory"]}
-    bench = result.get("bench")
+    bench = (result.get("bench") or {}).get("summary")
     if bench:
         med = bench["median_steps_3_to_n"]
         figures.update({
