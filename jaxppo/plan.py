@@ -456,8 +456,7 @@ def _what_to_change(cfg: Any, plan: Plan, shards: int) -> list[str]:
     if not plan.phases or plan.resident + plan.margin > 0.6 * (plan.jax_limit or plan.card):
         need = max(2, math.ceil(plan.resident * shards / (0.6 * (plan.jax_limit or plan.card))))
         out.append(f"the states alone take {plan.resident / GiB:.1f} GiB per device: train adapters "
-                   f"(actor.lora_rank / critic.lora_rank), offload optimizer state to the host (actor.optimizer_offload"
-                   f"), or shard over more devices (mesh.fsdp={need} or more)")
+                   f"(actor.lora_rank / critic.lora_rank), or shard over more devices (mesh.fsdp={need} or more)")
     return out
 
 
@@ -465,9 +464,8 @@ def _refusal(cfg: Any, build: Any, name: str, key: str, smallest: int, resident:
              program: int) -> str:
     return (f"the run does not fit the card: {name} does not fit at the smallest budget ({key}={smallest}): states "
             f"{resident / GiB:.1f} GiB + program {program / GiB:.1f} GiB + margin {margin / GiB:.1f} GiB > "
-            f"{limit / GiB:.1f} GiB for JAX; train adapters (actor.lora_rank / critic.lora_rank), offload optimizer "
-            "state (actor.optimizer_offload), shorten data.max_prompt_length / max_response_length, or shard over "
-            "more devices (mesh.fsdp)")
+            f"{limit / GiB:.1f} GiB for JAX; train adapters (actor.lora_rank / critic.lora_rank), shorten "
+            "data.max_prompt_length / max_response_length, or shard over more devices (mesh.fsdp)")
 
 
 __all__ = ["Plan", "Phase", "VllmShare", "make_plan", "finalize", "check", "search_budget", "ladder", "vllm_minimum"]

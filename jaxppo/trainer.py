@@ -88,10 +88,11 @@ class PPOTrainer:
             engine.sleep()
         if t.sft_warmup_steps > 0 and not (self.warm_dir / "config.json").is_file():
             # the warm start trains the whole model (no adapters); LoRA starts from its result
-            _, warm_params, _ = load_model(self.model_dir, **start.warm_kwargs(cfg, self.mesh))
+            self.actor_module, warm_params, _ = load_model(self.model_dir, **start.warm_kwargs(cfg, self.mesh))
             warm_params = sft_warm_start(self, warm_params)
             save_hf_checkpoint(warm_params, self.model_cfg, self.warm_dir)
             del warm_params
+            self.actor_module = b.actor.module
         self.start_dir = self.warm_dir if (self.warm_dir / "config.json").is_file() else self.model_dir
         self.state = start.create_states(cfg, b, self.start_dir, t.seed)
         actor, critic = b.actor, b.critic

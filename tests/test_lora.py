@@ -191,10 +191,12 @@ LORA = ["actor.lora_rank=16", "actor.lora_alpha=32", "actor.optim.lr=3e-3"]
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """The embedded default with LoRA for 10 steps, killed (SIGKILL) two steps after its step-5 checkpoint and
-    resumed by the same command: (run dir, the resumed process's output)."""
+    resumed by the same command: (run dir, the resumed process's output, the killed process's records: a resumed
+    run drops the lines past its checkpoint and writes those steps again)."""
     import signal
 
-    from tests.train_helpers import logged_step, run_train, seed_warm_start, shared_tmp, start_train, wait_until
+    from tests.train_helpers import (all_records, logged_step, run_train, seed_warm_start, shared_tmp, start_train,
+                                     wait_until)
 
     run = tmp_path_factory.mktemp("lora") / "run"
     common = [*LORA, "trainer.total_training_steps=10", "trainer.test_freq=10", "trainer.save_freq=5",
@@ -204,26 +206,26 @@ def lora_run(tmp_path_factory):
     wait_until(lambda: (run / "checkpoints" / "5").is_dir() and logged_step(run, 7), proc, "step 7", 900)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    killed = all_records(run)
     res = run_train(run, *common, timeout=900)
-    return run, res.stdout + res.stderr
+    return run, res.stdout + res.stderr, killed
 
 
 @pytest.mark.slow
 def test_lora_default_learns_and_resumes_exactly_after_a_kill(lora_run):
     from tests.train_helpers import all_records, assert_resumed_at_checkpoint
 
-    run, output = lora_run
+    run, output, killed = lora_run
     resumed = assert_resumed_at_checkpoint(run, output)
     assert resumed == 5
     records = all_records(run)
-    by_step: dict[int, list[dict]] = {}
-    for rec in records:
-        by_step.setdefault(rec["step"], []).append(rec)
-    replayed = [s for s in by_step if len(by_step[s]) == 2 and s > resumed]
+    assert [r["step"] for r in records] == sorted({r["step"] for r in records})  # each step once
+    by_step = {r["step"]: r for r in records}
+    replayed = [r for r in killed if r["step"] > resumed]
     assert replayed, "the killed process logged no step after its checkpoint"
-    for step in replayed:  # the resumed process repeats those steps exactly
+    for old in replayed:  # the resumed process repeats those steps exactly
         first, second = ({k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/", "time"))}
-                         for r in by_step[step])
+                         for r in (old, by_step[old["step"]]))
         assert first.keys() == second.keys()
         for k in first:
             assert first[k] == pytest.approx(second[k], rel=1e-5, abs=1e-6), (step, k)
@@ -244,7 +246,7 @@ def test_export_merges_and_writes_a_peft_adapter(lora_run, tmp_path):
 
     from jaxppo.export import main as export_main
 
-    run, _ = lora_run
+    run = lora_run[0]
     assert export_main(["--ckpt", str(run / "checkpoints" / "10"), "--out", str(tmp_path / "hf"), "--peft"]) == 0
     config = json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 16 and config["lora_alpha"] == 32 and config["base_model_name_or_path"].endswith("warm_model")
