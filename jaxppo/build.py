@@ -14,6 +14,7 @@ import jax
 
 from jaxppo.config import Config, uses_critic
 from jaxppo.engine import ActorEngine, CriticEngine, TrainState
+from jaxppo.health import update_guards
 from jaxppo.models import ModelConfig, abstract_params, build_model
 from jaxppo.models.lora import LoraSpec, is_adapter, spec_from
 from jaxppo.programs import device_bytes
@@ -114,6 +115,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
     actor = ActorEngine(module, mesh, a, R, a.optim.total_steps or total_steps * steps_per(a), cfg.rollout.temperature,
                         cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype,
                         trainable=is_adapter if actor_lora.rank else None)
+    # the health guards are part of the compiled update (jaxppo/health.py): set before the plan compiles it
+    actor.guards = update_guards(cfg.trainer.health, "actor")
     actor_state, actor_frozen = actor.abstract_state(abstract_of(module, mesh))
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
@@ -127,6 +130,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
         critic = CriticEngine(critic_module, mesh, c, R, c.optim.total_steps or total_steps * steps_per(c),
                               cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype,
                               trainable=(lambda p: is_adapter(p) or p[0] == "score") if critic_lora.rank else None)
+        critic.guards = update_guards(cfg.trainer.health, "critic")
         critic_state, critic_frozen = critic.abstract_state(abstract_of(critic_module, mesh))
     return Build(cfg, mesh, actor_cfg, critic_cfg if critic is not None else None, actor, critic, actor_lora,
                  critic_lora, actor_state, actor_frozen, critic_state, critic_frozen, ref)

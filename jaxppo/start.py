@@ -52,8 +52,15 @@ def prepare(cfg: Config, quiet: bool = False) -> Prepared:
     t = cfg.trainer
     run_dir = Path(t.default_local_dir)
     # the synthetic task's data and tokenizer are made in the run directory once it exists, else in a staging
-    # directory moved into it after the plan: a refused or plan-only start leaves nothing behind
-    staging = None if run_dir.is_dir() else Path(tempfile.mkdtemp(prefix="jaxppo-start-"))
+    # directory moved into it after the plan: a refused or plan-only start leaves nothing behind. Several
+    # processes share what process 0 writes, so they use the run directory itself.
+    staging = None
+    if jax.process_count() > 1:
+        from jaxppo.setup import make_run_dir
+
+        make_run_dir(cfg)
+    elif not run_dir.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix="jaxppo-start-"))
     mesh = make_mesh(cfg.mesh.axes())
     try:
         tokenizer, tokenizer_dir, train_ds, val_ds = prepare_data(cfg, staging or run_dir)

@@ -26,7 +26,7 @@ from jaxppo.checkpoint import RunCheckpointer, restore_from
 from jaxppo.config import Config, config_dict, to_yaml
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.errors import ConfigError
-from jaxppo.health import HealthMonitor, update_guards
+from jaxppo.health import HealthMonitor
 from jaxppo.metrics import MetricsLogger
 from jaxppo.models import load_model, save_hf_checkpoint
 from jaxppo.models.hf_io import HFWeights
@@ -95,10 +95,7 @@ class PPOTrainer:
             self.actor_module = b.actor.module
         self.start_dir = self.warm_dir if (self.warm_dir / "config.json").is_file() else self.model_dir
         self.state = start.create_states(cfg, b, self.start_dir, t.seed)
-        actor, critic = b.actor, b.critic
-        actor.guards = update_guards(t.health, "actor")
-        if critic is not None:
-            critic.guards = update_guards(t.health, "critic")
+        actor, critic = b.actor, b.critic  # their health guards are set where the plan compiled their updates
         reward_model = None
         if cfg.model.reward_model_path:
             from jaxppo.rewards.model import RewardModel

@@ -44,7 +44,7 @@ def test_search_budget_finds_the_largest_rung_that_fits_with_few_compiles():
 
 def test_a_smaller_card_gets_a_smaller_budget(tmp_path, one_device):
     big = prepared(tmp_path, *PACKED, "trainer.device_memory_gb=20").plan
-    small = prepared(tmp_path, *PACKED, "trainer.device_memory_gb=0.05").plan
+    small = prepared(tmp_path, *PACKED, "trainer.device_memory_gb=0.12").plan
     assert big.budgets.actor_update == 32768  # the ladder's top fits a 20 GB card
     assert 1024 <= small.budgets.actor_update < big.budgets.actor_update
     assert small.budgets.actor_forward == big.budgets.actor_forward == 2048  # given: compiled and checked only
@@ -58,7 +58,7 @@ def test_a_smaller_card_gets_a_smaller_budget(tmp_path, one_device):
 
     over = small.budgets.actor_update + 1024
     cfg = load_config(ROOT / "configs" / "default.yaml", [f"trainer.default_local_dir={tmp_path / 'run'}", *PACKED,
-                                                          "trainer.device_memory_gb=0.05",
+                                                          "trainer.device_memory_gb=0.12",
                                                           f"actor.ppo_max_token_len_per_device={over}"])
     from jaxppo.errors import ConfigError
 

@@ -151,9 +151,10 @@ def test_a_hanging_reward_function_is_cut_off_and_counted(tmp_path, monkeypatch)
             time.sleep(10**6)
         return real(solution, ground_truth, extra_info)
 
-    monkeypatch.setattr(registry, "get_reward_fn", lambda source: sometimes_hangs)
+    monkeypatch.setattr(registry, "get_reward_fn", lambda *a: sometimes_hangs)
+    # in the trainer's process (its SIGALRM timer): the worker processes' limits are tests/rewards/test_workers.py's
     tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "reward.timeout_s=0.2", "trainer.val_before_train=false",
-                      "trainer.test_freq=-1")
+                      "trainer.test_freq=-1", "reward.num_workers=0")
     t0 = time.monotonic()
     tr.fit()
     m = read_metrics(tmp_path / "run")[1]
