@@ -28,17 +28,15 @@ import math
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from jaxppo import memory
 from jaxppo.errors import ConfigError
+from jaxppo.plan_search import (_abstract_packed, _abstract_padded, _fake_batch, _with_keys, ladder,
+                                search_budget)
 from jaxppo.programs import Memory, device_bytes
-from jaxppo.sharding import batch_sharding
 
 log = logging.getLogger(__name__)
 GiB = 2**30
-LADDER_STEP = 1024  # token budgets are multiples of this
-AUTO_MAX_BUDGET = memory.AUTO_MAX_BUDGET
 VLLM_OVERHEAD = 2 * GiB  # vLLM beside weights and KV cache: CUDA graphs, the profile run's activations, sampler
 VLLM_MAX_SEQS = 1024  # sequences vLLM schedules at once at most (its default max_num_seqs on large GPUs)
 
@@ -134,104 +132,6 @@ class Plan:
                          f"for {v.sequences} max-length sequences at once; the step's {v.step_sequences} run in "
                          f"{waves} wave{'s' if waves > 1 else ''})")
         return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ abstract batches
-
-
-def _fake_batch(rows: int, prompt_len: int, response_len: int, prompt_tokens: int) -> dict[str, np.ndarray]:
-    """A padded host batch in the engine's layout whose every sequence has `prompt_tokens` prompt tokens and a
-    full-length response (the most response tokens per packed row when prompt_tokens is 1)."""
-    t = prompt_len + response_len
-    mask = np.zeros((rows, t), np.int32)
-    mask[:, prompt_len - prompt_tokens:] = 1
-    return {"input_ids": np.zeros((rows, t), np.int32), "attention_mask": mask,
-            "positions": np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32),
-            "response_mask": np.ones((rows, response_len), np.float32)}
-
-
-def _with_keys(batch: dict[str, np.ndarray], keys: tuple[str, ...], response_len: int) -> dict[str, np.ndarray]:
-    rows = batch["input_ids"].shape[0]
-    return dict(batch, **{k: np.zeros((rows, response_len), np.float32) for k in keys})
-
-
-def _abstract_padded(engine: Any, batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]:
-    """What `engine.shard_batch` makes of this process's host batch, as ShapeDtypeStructs."""
-    out = {}
-    for k, v in batch.items():
-        shape = (v.shape[0] * jax.process_count(),) + v.shape[1:]
-        out[k] = jax.ShapeDtypeStruct(shape, v.dtype, sharding=batch_sharding(engine.mesh, v.ndim, 0))
-    return out
-
-
-def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, what: str, shortest_prompt: int
-                     ) -> dict[str, jax.ShapeDtypeStruct]:
-    """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`: `batch` holds every
-    sequence at the longest prompt and a full response (the most tokens: the longest rows, the most micro-batches),
-    and each row gets as many response-token slots and sequences as the budget could hold at the shortest prompt
-    (`shortest_prompt`), within the batch's own: no batch of these data packs into a larger program."""
-    from jaxppo.packing import bucket, pack
-
-    local = engine.batch_shards // jax.process_count()
-    R = engine.response_length
-    seqs = -(-batch["input_ids"].shape[0] // local)
-    per_row = max(min(seqs, budget // (shortest_prompt + R)), 1)
-    packed = pack(batch, R, budget, local, what, min_slots=bucket(per_row * R), min_runs=bucket(per_row + 1))
-    out = {}
-    for k, v in packed.arrays.items():
-        shape = (v.shape[0], v.shape[1] * jax.process_count()) + v.shape[2:]
-        out[k] = jax.ShapeDtypeStruct(shape, v.dtype, sharding=batch_sharding(engine.mesh, v.ndim, 1))
-    return out
-
-
-# ------------------------------------------------------------------ the budget search
-
-
-def ladder(seq_len: int, top: int = AUTO_MAX_BUDGET) -> list[int]:
-    low = -(-seq_len // LADDER_STEP) * LADDER_STEP
-    return list(range(low, max(top, low) + 1, LADDER_STEP))
-
-
-def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int], seed: int
-                  ) -> tuple[int | None, int]:
-    """The largest rung whose `cost` (compiling its program) is <= `avail`, and how many rungs were compiled; None
-    when even the smallest does not fit. `seed` (the fitted constants' guess) is compiled first, then the ladder's
-    end on the other side of `avail`; a curve through the bytes seen so far (a line, then a quadratic: attention
-    that materialises its scores grows with the square of the row) predicts the rung, which is compiled to verify;
-    a prediction that misses twice on one side gives way to bisection."""
-    costs: dict[int, int] = {}
-
-    def at(b: int) -> int:
-        if b not in costs:
-            costs[b] = cost(b)
-        return costs[b]
-
-    if avail is None:
-        at(seed)
-        return seed, len(costs)
-    seed = min(rungs, key=lambda r: abs(r - seed))
-    lo, hi = (seed, rungs[-1]) if at(seed) <= avail else (rungs[0], seed)
-    if at(lo) > avail:
-        return None, len(costs)
-    if at(hi) <= avail:
-        return hi, len(costs)
-    moved = ""
-    for _ in range(10):  # lo fits, hi does not; the rungs between them are untried
-        inside = [r for r in rungs if lo < r < hi]
-        if not inside:
-            return lo, len(costs)
-        if moved.endswith(("lolo", "hihi")):
-            pick = inside[len(inside) // 2]
-        else:
-            xs = np.array(sorted(costs), float)
-            fit = np.polyfit(xs, [costs[int(x)] for x in xs], min(2, len(xs) - 1))
-            pred = np.polyval(fit, np.array(inside, float))
-            pick = max([r for r, c in zip(inside, pred) if c <= avail], default=inside[0])
-        if at(pick) <= avail:
-            lo, moved = pick, moved + "lo"
-        else:
-            hi, moved = pick, moved + "hi"
-    return lo, len(costs)
 
 
 # ------------------------------------------------------------------ the plan
