@@ -24,7 +24,7 @@ PYEOF
     data.train_files=[$w/data/train.parquet] data.val_files=[] data.tokenizer=$w/tok trainer.plan_only=true \
     trainer.default_local_dir=$w/run > $OUT/plan_$shape.log 2>&1
   rc=$? t1=$(date +%s.%N)
-  echo "== $config on $shape: exit $rc, $(echo "$t1 - $t0" | bc) s"
+  echo "== $config on $shape: exit $rc, $(awk "BEGIN{print $t1 - $t0}") s"
   grep -o "Finished XLA compilation of [^ ]* in [0-9.]* sec" $OUT/plan_$shape.log | \
     awk '{n[$5]++; s[$5]+=$7; tot+=$7} END {for (k in n) printf "  %-40s %3d compiles %7.1f s\n", k, n[k], s[k]; printf "  total XLA compile %.1f s\n", tot}'
   for what in "tracing + transforming" "jaxpr to MLIR module conversion"; do
