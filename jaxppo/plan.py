@@ -32,7 +32,7 @@ import jax
 from jaxppo import memory
 from jaxppo.errors import ConfigError
 from jaxppo.plan_search import (_abstract_packed, _abstract_padded, _fake_batch, _with_keys, ladder,
-                                search_budget)
+                                plan_threads, search_budget)
 from jaxppo.programs import Memory, device_bytes
 
 log = logging.getLogger(__name__)
@@ -192,47 +192,52 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     shortest, longest = prompt_lengths or (1, P)
     rungs = ladder(P + R)
     actor_keys, critic_keys = update_keys(cfg, build.ref is not None)
-    phases: list[Phase] = []
-    finals: list[Callable[[], list[tuple[str, Memory, int]]]] = []
-    chosen: dict[str, int] = {}
+    jobs: list[Callable[[int], tuple[list[Phase], Callable[[], list[tuple[str, Memory, int]]], dict[str, int]]]] = []
 
     def plan_phase(names: tuple[str, ...], sub: Any, budget_key: str, given: int, seed: int, rows: int,
                    keys: tuple, programs: tuple[tuple[Callable[[dict, bool], Memory], int], ...]) -> None:
-        """Plan the programs that share one budget key ((compile(batch, probe), resident argument bytes) each)."""
+        """Plan the programs that share one budget key ((compile(batch, probe), resident argument bytes) each):
+        a job run below, with `width` compiles at once, giving its phases, their final compile and its budget."""
         name = names[0]
         if not sub.use_dynamic_bsz:
-            batch = _abstract_padded(build.actor, _with_keys(_fake_batch(rows, P, R, P), keys, R))
-            for n, (fn, resident_args) in zip(names, programs):
-                mem = fn(batch, True)
-                phases.append(Phase(n, None, None, mem, mem.beside(resident_args), 1))
-            finals.append(lambda: [(n, fn(batch, False), r) for n, (fn, r) in zip(names, programs)])
+            def padded(width: int):
+                batch = _abstract_padded(build.actor, _with_keys(_fake_batch(rows, P, R, P), keys, R))
+                out = []
+                for n, (fn, resident_args) in zip(names, programs):
+                    mem = fn(batch, True)
+                    out.append(Phase(n, None, None, mem, mem.beside(resident_args), 1))
+                return out, lambda: [(n, fn(batch, False), r) for n, (fn, r) in zip(names, programs)], {}
+            jobs.append(padded)
             return
         host = _with_keys(_fake_batch(rows, P, R, longest), keys, R)
-        probed: dict[int, list[Memory]] = {}
 
-        def measure(budget: int, probe: bool) -> list[Memory]:
-            batch = _abstract_packed(build.actor, host, budget, budget_key, shortest)
-            return [fn(batch, probe) for fn, _ in programs]
+        def packed(width: int):
+            probed: dict[int, list[Memory]] = {}
 
-        def worst(mems: list[Memory]) -> int:
-            return max(m.beside(r) for m, (_, r) in zip(mems, programs))
+            def measure(budget: int, probe: bool) -> list[Memory]:
+                batch = _abstract_packed(build.actor, host, budget, budget_key, shortest)
+                return [fn(batch, probe) for fn, _ in programs]
 
-        def cost(budget: int) -> int:
-            probed[budget] = measure(budget, True)
-            return worst(probed[budget])
+            def worst(mems: list[Memory]) -> int:
+                return max(m.beside(r) for m, (_, r) in zip(mems, programs))
 
-        if given > 0:
-            budget, tries = given, 1
-            cost(given)
-        else:
-            budget, tries = search_budget(cost, avail, rungs, seed)
-            if budget is None:
-                raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin, search_limit,
-                                           worst(probed[rungs[0]])))
-        chosen[budget_key] = budget
-        for n, m, (_, r) in zip(names, probed[budget], programs):
-            phases.append(Phase(n, budget_key, budget, m, m.beside(r), tries))
-        finals.append(lambda: [(n, m, r) for n, m, (_, r) in zip(names, measure(budget, False), programs)])
+            def cost(budget: int) -> int:
+                probed[budget] = measure(budget, True)
+                return worst(probed[budget])
+
+            if given > 0:
+                budget, tries = given, 1
+                cost(given)
+            else:
+                budget, tries, _ = search_budget(cost, avail, rungs, seed, width)
+                if budget is None:
+                    raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin,
+                                               search_limit, worst(probed[rungs[0]])))
+            out = [Phase(n, budget_key, budget, m, m.beside(r), tries)
+                   for n, m, (_, r) in zip(names, probed[budget], programs)]
+            return out, lambda: [(n, m, r) for n, m, (_, r) in zip(names, measure(budget, False), programs)], \
+                {budget_key: budget}
+        jobs.append(packed)
 
     a_state, a_frozen = build.actor_state, build.actor_frozen
     a = cfg.actor
@@ -263,6 +268,19 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
                seeds.actor_update, rows, actor_keys,
                ((lambda b, probe: build.actor.compile_update(a_state, b, a_frozen, ref_in_update, probe),
                  device_bytes((a_state, a_frozen, ref_in_update))),))
+    # the phases' searches at once, in threads (XLA compiles outside the GIL), each with its share of the threads
+    threads = plan_threads()
+    width = max(1, threads // len(jobs))
+    if threads > 1 and len(jobs) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="jaxppo-plan") as ex:
+            results = [f.result() for f in [ex.submit(job, width) for job in jobs]]
+    else:
+        results = [job(width) for job in jobs]
+    phases = [ph for out, _, _ in results for ph in out]
+    finals = [final for _, final, _ in results]
+    chosen = {k: v for _, _, c in results for k, v in c.items()}
     budgets = memory.TokenBudgets(
         actor_update=chosen.get("actor.ppo_max_token_len_per_device", 0),
         actor_forward=chosen.get("actor.log_prob_max_token_len_per_device", 0),

@@ -69,46 +69,79 @@ def ladder(seq_len: int, top: int = AUTO_MAX_BUDGET) -> list[int]:
     return list(range(low, max(top, low) + 1, LADDER_STEP))
 
 
-def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int], seed: int
-                  ) -> tuple[int | None, int]:
-    """The largest rung whose `cost` (compiling its program) is <= `avail`, and how many rungs were compiled; None
+def plan_threads() -> int:
+    """Programs compiled at once by the plan (XLA compiles outside the GIL): `JAXPPO_PLAN_THREADS`, else half the
+    host's CPUs up to 8 (a GPU compile is mostly one thread; a CPU compile already uses several)."""
+    import os
+
+    n = os.environ.get("JAXPPO_PLAN_THREADS")
+    return max(1, int(n) if n else min(8, (os.cpu_count() or 2) // 2))
+
+
+def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int], seed: int, width: int = 1
+                  ) -> tuple[int | None, int, int]:
+    """The largest rung whose `cost` (compiling its program) is <= `avail`, how many rungs were compiled and in how
+    many rounds; None
     when even the smallest does not fit. `seed` (the fitted constants' guess) is compiled first, then the ladder's
     end on the other side of `avail`; a curve through the bytes seen so far (a line, then a quadratic: attention
     that materialises its scores grows with the square of the row) predicts the rung, which is compiled to verify;
-    a prediction that misses twice on one side gives way to bisection."""
+    a prediction that misses twice on one side gives way to bisection. `width` > 1: each round compiles up to
+    `width` rungs at once in threads (the seed with both ends of the ladder; the prediction with its neighbours),
+    for fewer rounds of compile time at the price of more compiles; the answer is the same."""
     costs: dict[int, int] = {}
+    rounds = [0]
 
-    def at(b: int) -> int:
-        if b not in costs:
-            costs[b] = cost(b)
-        return costs[b]
+    def at(*bs: int) -> list[int]:
+        todo = [b for b in dict.fromkeys(bs) if b not in costs]
+        rounds[0] += bool(todo)
+        if len(todo) > 1 and width > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(todo), thread_name_prefix="jaxppo-plan") as ex:
+                costs.update(zip(todo, ex.map(cost, todo)))
+        else:
+            costs.update((b, cost(b)) for b in todo)
+        return [costs[b] for b in bs]
 
     if avail is None:
         at(seed)
-        return seed, len(costs)
+        return seed, len(costs), rounds[0]
     seed = min(rungs, key=lambda r: abs(r - seed))
-    lo, hi = (seed, rungs[-1]) if at(seed) <= avail else (rungs[0], seed)
-    if at(lo) > avail:
-        return None, len(costs)
-    if at(hi) <= avail:
-        return hi, len(costs)
+    if width >= 3:
+        at(seed, rungs[-1], rungs[0])
+    elif width == 2:
+        at(seed, rungs[-1])
+    lo, hi = (seed, rungs[-1]) if at(seed)[0] <= avail else (rungs[0], seed)
+    if at(lo)[0] > avail:
+        return None, len(costs), rounds[0]
+    if at(hi)[0] <= avail:
+        return hi, len(costs), rounds[0]
     moved = ""
     for _ in range(10):  # lo fits, hi does not; the rungs between them are untried
         inside = [r for r in rungs if lo < r < hi]
         if not inside:
-            return lo, len(costs)
-        if moved.endswith(("lolo", "hihi")):
-            pick = inside[len(inside) // 2]
+            return lo, len(costs), rounds[0]
+        if len(inside) <= width:
+            picks = inside
         else:
-            xs = np.array(sorted(costs), float)
-            fit = np.polyfit(xs, [costs[int(x)] for x in xs], min(2, len(xs) - 1))
-            pred = np.polyval(fit, np.array(inside, float))
-            pick = max([r for r, c in zip(inside, pred) if c <= avail], default=inside[0])
-        if at(pick) <= avail:
-            lo, moved = pick, moved + "lo"
-        else:
-            hi, moved = pick, moved + "hi"
-    return lo, len(costs)
+            if moved.endswith(("lolo", "hihi")):
+                pick = inside[len(inside) // 2]
+            else:
+                xs = np.array(sorted(costs), float)
+                fit = np.polyfit(xs, [costs[int(x)] for x in xs], min(2, len(xs) - 1))
+                pred = np.polyval(fit, np.array(inside, float))
+                pick = max([r for r, c in zip(inside, pred) if c <= avail], default=inside[0])
+            i = inside.index(pick)  # the prediction and the rungs nearest it, up to `width`
+            near = sorted(range(len(inside)), key=lambda j: (abs(j - i), j < i))[:width]
+            picks = [inside[j] for j in sorted(near)]
+        at(*picks)
+        fits = [r for r in picks if costs[r] <= avail]
+        over = [r for r in picks if costs[r] > avail]
+        if fits:
+            lo, moved = max(fits), moved + "lo"
+        if over:
+            hi, moved = min([r for r in over if r > lo], default=hi), moved + "hi"
+    return lo, len(costs), rounds[0]
 
 
-__all__ = ["ladder", "search_budget", "LADDER_STEP", "AUTO_MAX_BUDGET"]
+__all__ = ["ladder", "search_budget", "plan_threads", "LADDER_STEP", "AUTO_MAX_BUDGET"]

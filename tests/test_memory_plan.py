@@ -37,9 +37,33 @@ def test_search_budget_finds_the_largest_rung_that_fits_with_few_compiles():
     for name, f in shapes.items():
         for avail in (5_000, 30_000, 60_000, 10**9, 5):
             seen = []
-            got, n = search_budget(lambda b: (seen.append(b), f(b))[1], avail, rungs, 16384)
+            got, n, rounds = search_budget(lambda b: (seen.append(b), f(b))[1], avail, rungs, 16384)
             assert got == max([r for r in rungs if f(r) <= avail], default=None), (name, avail)
-            assert n == len(set(seen)) <= 6, (name, avail, seen)
+            assert n == len(set(seen)) == rounds <= 6, (name, avail, seen)
+
+
+def test_the_search_compiles_several_rungs_at_once_and_finds_the_same_budget_in_fewer_rounds():
+    import threading
+
+    from jaxppo.plan import ladder, search_budget
+
+    rungs = ladder(768)
+    shapes = {"linear": lambda b: 10 + 2 * b, "quadratic": lambda b: 10 + b + b * b / 1000,
+              "jump": lambda b: 10 + 3 * b + (5000 if b > 20000 else 0)}
+    for name, f in shapes.items():
+        for avail in (5_000, 30_000, 60_000, 10**9, 5):
+            _, _, one_at_a_time = search_budget(f, avail, rungs, 16384)
+            for width in (2, 3, 4):
+                threads = set()
+
+                def cost(b):
+                    threads.add(threading.current_thread().name)
+                    return f(b)
+
+                got, n, rounds = search_budget(cost, avail, rungs, 16384, width)
+                assert got == max([r for r in rungs if f(r) <= avail], default=None), (width, name, avail)
+                assert rounds <= min(one_at_a_time, 4) and n <= width * rounds, (width, name, avail, n, rounds)
+                assert any(t.startswith("jaxppo-plan") for t in threads), (width, name, avail)
 
 
 def test_a_smaller_card_gets_a_smaller_budget(tmp_path, one_device):
@@ -64,6 +88,35 @@ def test_a_smaller_card_gets_a_smaller_budget(tmp_path, one_device):
 
     with pytest.raises(ConfigError, match="lower actor.ppo_max_token_len_per_device"):
         start.prepare(cfg, quiet=True)
+
+
+def test_the_phases_planned_in_threads_choose_what_one_thread_chooses(tmp_path, one_device, monkeypatch):
+    """The GPU's planning child compiles the phases' probes at once (JAXPPO_PLAN_THREADS): the same budgets and
+    bytes as one at a time, with the searches in several threads (a critic: four phases, each with its own)."""
+    import threading
+
+    from jaxppo import programs
+
+    args = [*FAST, "actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true", "trainer.memory_margin_gb=0.001",
+            "trainer.device_memory_gb=0.25", "actor.log_prob_max_token_len_per_device=2048",
+            "critic.forward_max_token_len_per_device=2048"]
+    monkeypatch.setenv("JAXPPO_PLAN_THREADS", "1")
+    one = prepared(tmp_path, *args).plan
+    seen = set()
+    memory_of = programs.Program.memory
+
+    def spy(self, *a):
+        t = threading.current_thread()
+        seen.add((t.name, t.ident))
+        return memory_of(self, *a)
+
+    monkeypatch.setattr(programs.Program, "memory", spy)
+    monkeypatch.setenv("JAXPPO_PLAN_THREADS", "8")
+    many = prepared(tmp_path, *args).plan
+    assert len({p.budget_key for p in one.phases}) == 4 and 0 < one.budgets.actor_update < 32768
+    assert many.budgets == one.budgets
+    assert [(p.name, p.program) for p in many.phases] == [(p.name, p.program) for p in one.phases]
+    assert len({t for t in seen if t[0].startswith("jaxppo-plan")}) >= 4, seen
 
 
 def _staging_dirs() -> set[str]:
