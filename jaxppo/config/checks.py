@@ -124,6 +124,7 @@ FLOAT_DOMAINS: dict[str, tuple[float, float, bool, bool]] = {
     "actor.entropy_coeff": (-INF, INF, True, True),  # negative: an entropy penalty
     "actor.kl_loss_coef": (0, INF, False, True),
     "actor.tis_threshold": (0, INF, True, True),
+    "actor.loss_scale_factor": (0, INF, True, True),
     "actor.lora_alpha": (0, INF, True, True),
     "critic.cliprange_value": (0, INF, False, True),
     "critic.lora_alpha": (0, INF, True, True),
@@ -265,7 +266,7 @@ def _check_sampling_and_rewards(cfg: Config) -> None:
     _check(v.top_k == -1 or v.top_k > 0, "rollout.val_kwargs.top_k must be -1 (off) or positive")
     _check(r.top_k == -1 or r.top_k > 0, f"rollout.top_k must be -1 (off) or positive, got {r.top_k}")
     _check(cfg.actor.logprob_chunk_size >= 1, "actor.logprob_chunk_size must be >= 1")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo"):
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg"):
         _check(r.n >= 2, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each prompt's responses: "
                "set rollout.n >= 2")
     _check(cfg.reward.num_workers >= -1, "reward.num_workers must be >= 0, or -1 (automatic)")

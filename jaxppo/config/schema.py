@@ -77,6 +77,9 @@ class ActorConfig:
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + high
     clip_ratio_c: float = 3.0  # dual clip bound for negative advantages
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    # seq-mean-token-sum-norm (Dr. GRPO) divides the sequences' token sums by this constant (verl's key); None: the
+    # response length (data.max_response_length)
+    loss_scale_factor: Optional[float] = None
     entropy_coeff: float = 0.0  # entropy bonus
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001  # weight of the KL loss

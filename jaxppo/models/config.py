@@ -181,7 +181,8 @@ def config_from_hf_dict(raw: dict[str, Any], where: str = "config.json") -> tupl
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            # without the key: transformers' defaults (Qwen3Config 128, the others hidden / heads)
+            head_dim=int(raw.get("head_dim") or (128 if family == "qwen3" else int(raw["hidden_size"]) // heads)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=True if family == "qwen2" else bool(raw.get("attention_bias", False)),

@@ -1,4 +1,6 @@
-"""Advantage estimators: GAE, GRPO (and Dr.GRPO), RLOO, REINFORCE++; chosen by name from a registry.
+"""Advantage estimators under verl's names: GAE, GRPO (and Dr.GRPO), GRPO pass@k, RLOO, REINFORCE++ (and its
+group baseline), OPO, GPG; chosen by name from a registry. Each equals verl 0.9.1's `core_algos` function of the
+same name in float64 (tests/verl_oracle).
 
 Every estimator has the signature
     fn(token_level_rewards, response_mask, *, values, group_ids, gamma, lam, **options) -> (advantages, returns)
@@ -96,17 +98,81 @@ def rloo_estimator(token_level_rewards, response_mask, *, group_ids, **_):
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
 def reinforce_plus_plus_estimator(token_level_rewards, response_mask, *, gamma=1.0, **_):
-    """Discounted return-to-go per token (reset after masked tokens, as verl does), whitened over valid tokens."""
+    """Discounted return-to-go per token, whitened over valid tokens. A masked token (an observation span inside
+    the response) carries the running return through unchanged, so rewards after it reach the tokens before it
+    (verl 0.9.1; earlier verl reset the return there)."""
     mask = response_mask.astype(token_level_rewards.dtype)
 
     def step(running, x):
         r, m = x
-        running = jnp.where(m > 0, r, 0.0) + gamma * running
-        return jnp.where(m > 0, running, 0.0), running
+        new = r + gamma * running
+        return jnp.where(m > 0, new, running), jnp.where(m > 0, new, 0.0)
 
     returns = _reverse_scan(step, jnp.zeros(mask.shape[0], mask.dtype), (token_level_rewards.astype(mask.dtype), mask))
-    returns = jnp.where(mask > 0, returns, 0.0)
     return masked_whiten(returns, mask), returns
+
+
+def _outcome(token_level_rewards, response_mask):
+    mask = response_mask.astype(token_level_rewards.dtype)
+    return mask, masked_sum(token_level_rewards, mask, axis=-1)
+
+
+def _per_token(adv, mask):
+    adv = jnp.where(mask > 0, adv[:, None], 0.0)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_passk")
+def grpo_passk_estimator(token_level_rewards, response_mask, *, group_ids, norm_adv_by_std_in_grpo: bool = True,
+                         epsilon: float = 1e-6, **_):
+    """Pass@k (arXiv:2503.19595): only each group's best response gets an advantage, its score minus the group's
+    second best (over the group's std + eps when `norm_adv_by_std_in_grpo`); ties go to the first. Needs groups of
+    at least two (rollout.n >= 2, checked at start)."""
+    mask, scores = _outcome(token_level_rewards, response_mask)
+    n = scores.shape[0]
+    idx = jnp.arange(n)
+    gmax = jax.ops.segment_max(scores, group_ids, num_segments=n)[group_ids]
+    first = jax.ops.segment_min(jnp.where(scores == gmax, idx, n), group_ids, num_segments=n)[group_ids]
+    best = idx == first
+    second = jax.ops.segment_max(jnp.where(best, -jnp.inf, scores), group_ids, num_segments=n)[group_ids]
+    adv = jnp.where(best, gmax - second, 0.0)
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (group_stats(scores, group_ids)[2] + epsilon)
+    return _per_token(adv, mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_estimator(token_level_rewards, response_mask, *, group_ids, **_):
+    """REINFORCE++ with the group's mean as baseline (arXiv:2501.03262): score - group mean (0 for a group of one),
+    broadcast over the response and whitened over the batch's valid tokens."""
+    mask, scores = _outcome(token_level_rewards, response_mask)
+    count, mean, _ = group_stats(scores, group_ids)
+    adv = jnp.where(mask > 0, (scores - jnp.where(count > 1, mean, 0.0))[:, None], 0.0)
+    adv = masked_whiten(adv, mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("opo")
+def opo_estimator(token_level_rewards, response_mask, *, group_ids, **_):
+    """OPO (arXiv:2505.23585): score minus the group's length-weighted mean score (0 for a group of one)."""
+    mask, scores = _outcome(token_level_rewards, response_mask)
+    n = scores.shape[0]
+    length = jnp.sum(mask, axis=-1)
+    count = jax.ops.segment_sum(jnp.ones_like(scores), group_ids, num_segments=n)[group_ids]
+    num = jax.ops.segment_sum(length * scores, group_ids, num_segments=n)[group_ids]
+    den = jax.ops.segment_sum(length, group_ids, num_segments=n)[group_ids]
+    base = jnp.where(count > 1, num / jnp.where(den > 0, den, 1.0), 0.0)
+    return _per_token(scores - base, mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("gpg")
+def gpg_estimator(token_level_rewards, response_mask, *, group_ids, f_norm: float = 1.0, **_):
+    """GPG (arXiv:2504.02546): alpha (score - group mean) / f_norm, alpha = batch size / the number of non-zero
+    scores (at least 1); a group of one has mean 0."""
+    mask, scores = _outcome(token_level_rewards, response_mask)
+    count, mean, _ = group_stats(scores, group_ids)
+    alpha = scores.shape[0] / jnp.maximum(jnp.sum(scores != 0), 1)
+    return _per_token(alpha * (scores - jnp.where(count > 1, mean, 0.0)) / f_norm, mask)
 
 
 def compute_advantages(name: str, token_level_rewards, response_mask, **kw) -> tuple[Array, Array]:

@@ -59,3 +59,24 @@ def test_compare_cli_reports_error_without_traceback(tmp_path, capsys):
     assert compare_main(["--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_a_config_without_head_dim_gets_the_head_dim_transformers_gives_it(family):
+    """Qwen3's config.json may omit head_dim: transformers' Qwen3Config then uses 128 (not hidden / heads); Qwen2's
+    and Llama's use hidden / heads. jaxppo reads the same number as transformers does."""
+    import transformers
+
+    from jaxppo.models.config import config_from_hf_dict
+
+    cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
+           "llama": transformers.LlamaConfig}[family]
+    hf = cls(vocab_size=64, hidden_size=512, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
+             num_key_value_heads=8)
+    raw = hf.to_dict()
+    raw.pop("head_dim", None)
+    reread = cls(**raw)  # what transformers makes of that config.json
+    want = getattr(reread, "head_dim", None) or 512 // 8
+    cfg, _ = config_from_hf_dict(raw)
+    assert cfg.head_dim == want
+    assert (want == 128) == (family == "qwen3")

@@ -62,10 +62,10 @@ def reinforce_pp(rewards, mask, gamma):
     ret = np.zeros((b, t))
     for i in range(b):
         running = 0.0
-        for j in reversed(range(t)):
-            running = rewards[i, j] + gamma * running
-            ret[i, j] = running
-            running *= mask[i, j]
+        for j in reversed(range(t)):  # a masked token (an observation span) passes the return through
+            if mask[i, j] > 0:
+                running = rewards[i, j] + gamma * running
+                ret[i, j] = running
     ret = np.where(mask > 0, ret, 0.0)
     return whiten(ret, mask), ret
 

@@ -54,6 +54,12 @@ def scripted_reward(solution, ground_truth, extra_info):
     return {0: 1.0, 1: 0.0, 2: float(j % 2)}[t % 3]
 
 
+def acc_reward(solution, ground_truth, extra_info):
+    """scripted_reward's score, and an 'acc' with signal only in prompt 0's group."""
+    t, j = (int(x) for x in solution.split())
+    return {"score": scripted_reward(solution, ground_truth, extra_info), "acc": float(j) if t == 0 else 0.0}
+
+
 def make_ctx(*overrides):
     cfg = load_config(None, ["data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=2",
                              "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
@@ -84,6 +90,18 @@ def test_groups_without_signal_are_dropped_and_the_batch_refilled():
     ro = got.rollouts
     assert ro.prompt_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and got.scores.tolist() == [0, 1] * 4
     assert ro.response_ids[:, 0].tolist() == [2, 2, 5, 5, 8, 8, 11, 11]  # each group's own samples
+
+
+def test_filtering_on_acc_uses_the_score_of_a_function_that_returns_a_number():
+    """verl's reward managers log acc = score for a function that returns a number, so its DAPO recipes'
+    `filter_groups.metric=acc` works with one; a function's own 'acc' entry wins."""
+    ctx = make_ctx("algorithm.filter_groups.metric=acc")
+    got, metrics = run(ctx)
+    assert got.rows.tolist() == [2, 5, 8, 11] and metrics["batch/dropped_groups"] == 8.0
+    ctx = make_ctx("algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=2")
+    ctx.reward_fn = acc_reward
+    got, metrics = run(ctx)
+    assert got.rows.tolist()[0] == 0 and metrics["batch/filled_groups"] > 0
 
 
 def test_the_batch_is_filled_when_the_rounds_run_out():
