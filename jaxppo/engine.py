@@ -32,6 +32,7 @@ from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
 from jaxppo.programs import Memory, Program
 from jaxppo.sharding import activation_rules
+from jaxppo.ppo.policy_losses import compute_policy_loss
 
 Batch = dict[str, jax.Array]
 
@@ -418,9 +419,9 @@ class ActorEngine(_Base):
         ref_full = self.full(ref, frozen) if (self.full_kl and ref is not None) else None
         out = self._head(self.full(params, frozen), mb, ref_params=ref_full)
         logprob, entropy = out["logprobs"], out["entropy"]
-        pg_loss, metrics = ppo.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask, c.clip_ratio_low,
-                                           c.clip_ratio_high, c.clip_ratio_c, c.loss_agg_mode,
-                                           is_weights=mb.get("is_weights"), **norm)
+        pg_loss, metrics = compute_policy_loss(c.policy_loss.loss_mode, mb["old_logprobs"], logprob, mb["advantages"],
+                                               mask, c, c.loss_agg_mode, is_weights=mb.get("is_weights"),
+                                               segment=mb.get("slot_segment"), **norm)
         if c.entropy_coeff == 0:
             entropy = jax.lax.stop_gradient(entropy)
         entropy_loss = ppo.agg_loss(entropy, mask, c.loss_agg_mode, **norm)

@@ -64,7 +64,7 @@ class Packed:
     """Host arrays with a leading micro-batch axis, one row per batch shard:
       input_ids, attention_mask (segment ids), positions   [n_micro, shards, row length]
       gather_idx       [n_micro, shards, slots]  in-row position of the state before each response token
-      targets, response_mask, token_weight and the SEQ_KEYS arrays   [n_micro, shards, slots]
+      targets, response_mask, token_weight, slot_segment and the SEQ_KEYS arrays   [n_micro, shards, slots]
       seq_count        [n_micro, shards]          sequences with a response token in each row
       segment_starts   [n_micro, shards, runs]    start column of each run of equal segment ids (the
                                                   sequences, then the unused tail), -1 after the last
@@ -199,6 +199,7 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     out_ids, out_seg, out_pos = (np.zeros((rows, width), np.int32) for _ in range(3))
     gather, targets = np.zeros((rows, slots), np.int32), np.zeros((rows, slots), np.int32)
     slot_mask, weight = np.zeros((rows, slots), np.float32), np.zeros((rows, slots), np.float32)
+    slot_segment = np.zeros((rows, slots), np.int32)  # the slot's sequence within its row (1, 2, ...; 0: empty)
     slot_seq, slot_pos = np.full((rows, slots), -1, np.int64), np.zeros((rows, slots), np.int64)
     seq_count = np.zeros(rows, np.float32)
     per_tok = {k: np.zeros((rows, slots), np.asarray(batch[k]).dtype) for k in SEQ_KEYS if k in batch}
@@ -218,6 +219,7 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
             gather[row, k] = off + n_prompt - 1 + js
             targets[row, k] = ids[i, p + js]
             slot_mask[row, k], weight[row, k] = 1.0, 1.0 / max(js.size, 1)
+            slot_segment[row, k] = s + 1
             slot_seq[row, k], slot_pos[row, k] = i, js
             for key in per_tok:
                 per_tok[key][row, k] = batch[key][i, js]
@@ -229,7 +231,7 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     shaped = lambda x: x.reshape((n_micro, shards) + x.shape[1:])  # noqa: E731
     arrays = {"input_ids": shaped(out_ids), "attention_mask": shaped(out_seg), "positions": shaped(out_pos),
               "gather_idx": shaped(gather), "targets": shaped(targets), "response_mask": shaped(slot_mask),
-              "token_weight": shaped(weight), "seq_count": shaped(seq_count)}
+              "token_weight": shaped(weight), "seq_count": shaped(seq_count), "slot_segment": shaped(slot_segment)}
     arrays["segment_starts"] = shaped(starts)
     arrays.update({k: shaped(v) for k, v in per_tok.items()})
     return Packed(arrays, slot_seq, slot_pos, bins, r)

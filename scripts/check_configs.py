@@ -36,6 +36,7 @@ CHECKS = [
     ("grpo-qwen2.5-1.5b", "configs/gsm8k_grpo_qwen2.5_1.5b.yaml", "qwen2.5-1.5b", []),
     ("dapo-qwen2.5-0.5b", "configs/gsm8k_dapo_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),
     ("drgrpo-qwen2.5-0.5b", "configs/gsm8k_drgrpo_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),
+    ("gspo-qwen2.5-0.5b", "configs/gsm8k_gspo_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),
     ("qwen3-0.6b", "configs/gsm8k_grpo_qwen2.5_0.5b.yaml", "qwen3-0.6b", []),
     ("qwen3-1.7b", "configs/gsm8k_grpo_qwen2.5_1.5b.yaml", "qwen3-1.7b", []),
     ("qwen3-4b", "configs/gsm8k_grpo_qwen2.5_1.5b.yaml", "qwen3-4b", []),

@@ -1,4 +1,4 @@
-"""The recipe configs (GRPO, DAPO, Dr.GRPO): what defines each method is in its YAML, each runs end to end on
+"""The recipe configs (GRPO, DAPO, Dr.GRPO, GSPO): what defines each method is in its YAML, each runs end to end on
 the embedded default's task, and DAPO's dynamic sampling refills the batch through the trainer."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.train_helpers import ON_EMBEDDED_TASK, ROOT, read_metrics, run_train
 
 CONFIGS = ROOT / "configs"
 RECIPES = {"grpo": "gsm8k_grpo_qwen2.5_0.5b.yaml", "dapo": "gsm8k_dapo_qwen2.5_0.5b.yaml",
-           "drgrpo": "gsm8k_drgrpo_qwen2.5_0.5b.yaml"}
+           "drgrpo": "gsm8k_drgrpo_qwen2.5_0.5b.yaml", "gspo": "gsm8k_gspo_qwen2.5_0.5b.yaml"}
 
 
 def recipe(name: str, *overrides: str) -> Config:
@@ -26,8 +26,8 @@ def test_every_committed_config_loads(path):
 
 
 def test_each_recipe_sets_what_defines_its_method():
-    grpo, dapo, dr = recipe("grpo"), recipe("dapo"), recipe("drgrpo")
-    for cfg in (grpo, dapo, dr):  # group baselines, no critic, no KL in the reward
+    grpo, dapo, dr, gspo = recipe("grpo"), recipe("dapo"), recipe("drgrpo"), recipe("gspo")
+    for cfg in (grpo, dapo, dr, gspo):  # group baselines, no critic, no KL in the reward
         assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n >= 4 and not cfg.algorithm.use_kl_in_reward
     # GRPO (DeepSeekMath): std-normalised group advantages, KL to the reference as a loss
     assert grpo.algorithm.norm_adv_by_std_in_grpo and grpo.actor.use_kl_loss and grpo.actor.kl_loss_type == "low_var_kl"
@@ -40,6 +40,12 @@ def test_each_recipe_sets_what_defines_its_method():
     # Dr. GRPO: no std normalisation, the token sum over a constant
     assert not dr.algorithm.norm_adv_by_std_in_grpo and dr.actor.loss_agg_mode == "seq-mean-token-sum-norm"
     assert not dr.actor.use_kl_loss
+    # GSPO: the sequence-level ratio with verl's recipe's narrow clip, the loss averaged per sequence, no KL
+    g = gspo.actor
+    assert (g.policy_loss.loss_mode, g.clip_ratio_low, g.clip_ratio_high, g.loss_agg_mode, g.use_kl_loss) == (
+        "gspo", 0.0003, 0.0004, "seq-mean-token-mean", False)
+    for cfg in (grpo, dapo, dr):
+        assert cfg.actor.policy_loss.loss_mode == "vanilla"
 
 
 def test_the_grpo_recipes_differ_in_the_model_only():

@@ -91,12 +91,14 @@ def _registry_sets() -> dict[str, tuple]:
     from jaxppo.data import TRUNCATION_MODES
     from jaxppo.health import ACTIONS, SPECS
     from jaxppo.ppo import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+    from jaxppo.ppo.policy_losses import POLICY_LOSSES
 
     return {"data.truncation": tuple(TRUNCATION_MODES),
             "actor.loss_agg_mode": tuple(LOSS_AGG_MODES), "critic.loss_agg_mode": tuple(LOSS_AGG_MODES),
             "actor.kl_loss_type": tuple(KL_ESTIMATORS.names()),
             "algorithm.kl_penalty": tuple(k for k in KL_ESTIMATORS.names() if k != "full"),
             "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS.names()),
+            "actor.policy_loss.loss_mode": tuple(POLICY_LOSSES.names()),
             **{f"trainer.health.{rule}.action": ACTIONS for rule in SPECS}}
 
 
@@ -125,6 +127,14 @@ FLOAT_DOMAINS: dict[str, tuple[float, float, bool, bool]] = {
     "actor.kl_loss_coef": (0, INF, False, True),
     "actor.tis_threshold": (0, INF, True, True),
     "actor.loss_scale_factor": (0, INF, True, True),
+    "actor.tau_pos": (0, INF, True, True),
+    "actor.tau_neg": (0, INF, True, True),
+    "actor.policy_loss.clip_cov_ratio": (0, 1, True, False),
+    "actor.policy_loss.clip_cov_lb": (-INF, INF, True, True),
+    "actor.policy_loss.clip_cov_ub": (-INF, INF, True, True),
+    "actor.policy_loss.kl_cov_ratio": (0, 1, True, False),
+    "actor.policy_loss.ppo_kl_coef": (0, INF, False, True),
+    "actor.policy_loss.dro_beta": (0, INF, True, True),
     "actor.lora_alpha": (0, INF, True, True),
     "critic.cliprange_value": (0, INF, False, True),
     "critic.lora_alpha": (0, INF, True, True),
@@ -269,6 +279,10 @@ def _check_sampling_and_rewards(cfg: Config) -> None:
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg"):
         _check(r.n >= 2, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each prompt's responses: "
                "set rollout.n >= 2")
+    pl = cfg.actor.policy_loss
+    _check(pl.loss_mode != "dro" or pl.dro_beta is not None,
+           "actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0")
+    _check(pl.clip_cov_lb < pl.clip_cov_ub, "actor.policy_loss.clip_cov_lb must be below clip_cov_ub")
     _check(cfg.reward.num_workers >= -1, "reward.num_workers must be >= 0, or -1 (automatic)")
     rule = cfg.reward.default_rule
     if rule is not None:

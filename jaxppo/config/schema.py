@@ -68,6 +68,19 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class PolicyLossConfig:
+    """The policy loss by verl's name (jaxppo/ppo/policy_losses.py) and the settings some of them read."""
+
+    loss_mode: str = "vanilla"  # vanilla | gspo | gpg | cispo | sapo | geo_mean | kl_cov | clip_cov | dro
+    clip_cov_ratio: float = 0.0002  # clip_cov: share of the micro-batch's tokens whose gradient may be dropped
+    clip_cov_lb: float = 1.0  # clip_cov: covariance window (lb, ub) of the tokens it may drop
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: share of the tokens (largest covariance) that get the |log ratio| penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: that penalty's weight
+    dro_beta: Optional[float] = None  # dro: the quadratic log-ratio penalty (required, > 0)
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     ppo_mini_batch_size: int = 64  # prompts per mini-batch (x rollout.n sequences)
     ppo_micro_batch_size_per_device: int = 4  # sequences per device per micro-batch
@@ -76,6 +89,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + high
     clip_ratio_c: float = 3.0  # dual clip bound for negative advantages
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tau_pos: float = 1.0  # sapo: the gate's temperature for positive advantages
+    tau_neg: float = 1.05  # sapo: for the others
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     # seq-mean-token-sum-norm (Dr. GRPO) divides the sequences' token sums by this constant (verl's key); None: the
     # response length (data.max_response_length)

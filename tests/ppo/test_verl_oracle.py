@@ -110,10 +110,14 @@ def micro_batches(rng, b: int, k: int = 3) -> list[np.ndarray]:
     return np.array_split(rng.permutation(b), k)
 
 
-def actor_config(rng, mode: str, **batch_info) -> ActorConfig:
+def actor_config(rng, mode: str, policy: dict | None = None, **batch_info) -> ActorConfig:
+    from verl.workers.config.actor import PolicyLossConfig
+
     cfg = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
                       clip_ratio_low=float(rng.uniform(0.1, 0.3)), clip_ratio_high=float(rng.uniform(0.1, 0.4)),
-                      clip_ratio_c=float(rng.uniform(2.0, 10.0)), loss_agg_mode=mode)
+                      clip_ratio_c=float(rng.uniform(2.0, 10.0)), loss_agg_mode=mode,
+                      tau_pos=float(rng.uniform(0.8, 1.2)), tau_neg=float(rng.uniform(1.0, 1.5)),
+                      policy_loss=PolicyLossConfig(**(policy or {})))
     cfg.global_batch_info.update(dp_size=1, **batch_info)
     return cfg
 
@@ -193,3 +197,113 @@ def test_the_adaptive_kl_controller_equals_verls():
         verl_ctrl.update(kl, n)
         coef = float(ppo.update_kl_coef(cfg, coef, kl, n))
         assert abs(coef - verl_ctrl.value) <= TOL * abs(verl_ctrl.value), (kl, n)
+
+
+# ---------------------------------------------------------------- the policy losses of 2025
+
+def loss_inputs(seed: int, empty_rows: bool = True):
+    rng, mask, _, _ = batch(seed)
+    if not empty_rows:
+        mask[mask.sum(-1) == 0, 0] = 1.0
+    b, t = mask.shape
+    old = rng.normal(-1.0, 0.5, (b, t))
+    new = old + rng.normal(0.0, 0.3, (b, t))
+    adv = np.repeat(rng.normal(size=(b, 1)), t, 1) if seed % 2 else rng.normal(size=(b, t))
+    return rng, mask, old, new, adv
+
+
+def jaxppo_actor(cfg: ActorConfig):
+    """jaxppo's actor config with verl's settings."""
+    from jaxppo.config import load_config
+
+    p = cfg.policy_loss
+    return load_config(None, [f"actor.clip_ratio_low={cfg.clip_ratio_low}", f"actor.clip_ratio_high={cfg.clip_ratio_high}",
+                              f"actor.clip_ratio_c={cfg.clip_ratio_c}", f"actor.tau_pos={cfg.tau_pos}",
+                              f"actor.tau_neg={cfg.tau_neg}", f"actor.policy_loss.loss_mode={p.loss_mode}",
+                              f"actor.policy_loss.clip_cov_ratio={p.clip_cov_ratio}",
+                              f"actor.policy_loss.clip_cov_lb={p.clip_cov_lb}",
+                              f"actor.policy_loss.clip_cov_ub={p.clip_cov_ub}",
+                              f"actor.policy_loss.kl_cov_ratio={p.kl_cov_ratio}",
+                              f"actor.policy_loss.ppo_kl_coef={p.ppo_kl_coef}"]
+                       + ([f"actor.policy_loss.dro_beta={p.dro_beta}"] if p.dro_beta else [])).actor
+
+
+def loss_and_grad(name, cfg, old, new, adv, mask, mode, isw=None, segment=None, layout=None, **norm):
+    """jaxppo's loss and its gradient with respect to the new log-probs."""
+    import jax
+
+    from jaxppo.ppo.policy_losses import compute_policy_loss
+
+    def f(lp):
+        return compute_policy_loss(name, jnp.asarray(old), lp, jnp.asarray(adv), jnp.asarray(mask), cfg, mode,
+                                   is_weights=None if isw is None else jnp.asarray(isw), segment=segment, **norm)
+
+    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(new))
+    return loss, metrics, grad
+
+
+def verl_loss_and_grad(name, cfg, old, new, adv, mask, mode, isw=None):
+    lp = t64(new).requires_grad_(True)
+    loss, metrics = core.get_policy_loss_fn(name)(t64(old), lp, t64(adv), t64(mask), mode, cfg,
+                                                  None if isw is None else t64(isw))
+    loss.backward()
+    return loss, metrics, lp.grad
+
+
+NEW_LOSSES = ["gspo", "gpg", "cispo", "sapo", "geo_mean", "kl_cov", "clip_cov", "dro"]
+
+
+@pytest.mark.parametrize("name", NEW_LOSSES)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_policy_losses_of_2025_and_their_gradients_equal_verls(name, mode):
+    """One micro-batch (verl's engine path with the mini-batch's counts): the loss, its gradient with respect to
+    the log-probs and the metrics both log. geo_mean averages over sequences, so rows are never empty here (verl
+    counts an empty row in its mean: docs/verl_keys.md); clip_cov drops every eligible token (verl draws
+    `clip_cov_ratio` of the tokens at random among them, jaxppo takes those of the largest covariance)."""
+    for seed in SEEDS:
+        rng, mask, old, new, adv = loss_inputs(seed, empty_rows=name != "geo_mean")
+        isw = rng.uniform(0.2, 2.0, mask.shape) if seed % 3 == 0 else None
+        num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+        policy = dict(loss_mode=name, clip_cov_ratio=0.9, clip_cov_lb=-0.5, clip_cov_ub=0.5, kl_cov_ratio=0.2,
+                      dro_beta=0.3)
+        cfg = actor_config(rng, mode, policy, batch_num_tokens=num_tokens, global_batch_size=num_seqs)
+        w_loss, w_m, w_grad = verl_loss_and_grad(name, cfg, old, new, adv, mask, mode, isw)
+        g_loss, g_m, g_grad = loss_and_grad(name, jaxppo_actor(cfg), old, new, adv, mask, mode, isw,
+                                            num_tokens=num_tokens, num_seqs=num_seqs)
+        close(g_loss, w_loss, f"{name} {mode} loss, seed {seed}")
+        close(np.asarray(g_grad) * mask, w_grad * t64(mask), f"{name} {mode} gradient, seed {seed}")
+        for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+            if f"actor/{k}" in w_m:
+                close(g_m[k], w_m[f"actor/{k}"], f"{name} {k}, seed {seed}")
+
+
+@pytest.mark.parametrize("name", ["gspo", "geo_mean", "vanilla", "sapo"])
+def test_a_sequence_level_loss_is_the_same_on_packed_rows(name):
+    """Packed rows hold several sequences: `segment` finds each token's sequence, so a loss computed on the packed
+    layout equals the padded one (the sequences' tokens laid side by side in one row)."""
+    from jaxppo.config import load_config
+
+    cfg = load_config(None, [f"actor.policy_loss.loss_mode={name}"]).actor
+    for seed in SEEDS:
+        rng, mask, old, new, adv = loss_inputs(seed, empty_rows=False)
+        lengths = mask.sum(-1).astype(int)
+        pack = lambda x: np.concatenate([x[i, :lengths[i]] for i in range(len(x))])[None, :]  # noqa: E731
+        segment = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])[None, :]
+        weight = pack(mask / lengths[:, None])
+        num_tokens, num_seqs = mask.sum(), float(len(lengths))
+        mode = "seq-mean-token-mean"
+        padded = loss_and_grad(name, cfg, old, new, adv, mask, mode, num_tokens=num_tokens, num_seqs=num_seqs)
+        packed = loss_and_grad(name, cfg, pack(old), pack(new), pack(adv), pack(mask), mode,
+                               segment=jnp.asarray(segment), num_tokens=num_tokens, num_seqs=num_seqs,
+                               token_weight=jnp.asarray(weight))
+        close(packed[0], padded[0], f"{name} packed loss, seed {seed}")
+        close(packed[2], pack(np.asarray(padded[2])), f"{name} packed gradient, seed {seed}")
+
+
+def test_an_unknown_policy_loss_exits_2_listing_the_known_ones(tmp_path, capsys):
+    from jaxppo.train import main
+
+    rc = main([f"trainer.default_local_dir={tmp_path / 'run'}", "actor.policy_loss.loss_mode=grpo_plus"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'grpo_plus' unknown" in err and "gspo" in err and "cispo" in err, err
+    assert not (tmp_path / "run").exists()
