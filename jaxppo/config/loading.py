@@ -71,6 +71,12 @@ def _yaml_problem(e: Exception) -> str:
     return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
 
 
+def _log_ignored(message: str) -> None:
+    import logging
+
+    logging.getLogger("jaxppo.config").info(message)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- dotted `key=value` overrides, type-checked; errors are `ConfigError`."""
     from omegaconf import OmegaConf
@@ -97,6 +103,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value")
+        from jaxppo.config.verl_keys import translate
+
+        overrides = translate(overrides, warn=_log_ignored)
         where = "the command line's overrides"
         if overrides:
             layers.append(OmegaConf.from_dotlist(list(overrides)))
