@@ -210,3 +210,34 @@ def test_optimizer_state_sharded_like_parameters(tiny_qwen, shape):
     check(state)
     state, _ = engine.update(state, batch)
     check(state)
+
+
+@pytest.mark.parametrize("loss_mode, agg, scale", [("vanilla", "token-mean", None), ("gspo", "seq-mean-token-mean", None),
+                                                   ("vanilla", "seq-mean-token-sum-norm", 7.0)])
+def test_the_actor_update_trains_on_the_configured_loss_with_the_importance_weights(tiny_qwen, loss_mode, agg, scale):
+    """The update's pg_loss is the configured policy loss of the engine's own log-probs with the batch's rollout
+    importance weights and loss_scale_factor (computed on the host from the same inputs): dropping the weights,
+    the loss mode or the scale in engine.py fails this."""
+    from jaxppo.config.schema import PolicyLossConfig
+    from jaxppo.ppo.policy_losses import compute_policy_loss
+
+    mesh = single_device_mesh()
+    module, params, cfg = load_model(tiny_qwen, mesh=mesh)
+    acfg = ActorConfig(ppo_micro_batch_size_per_device=8, log_prob_micro_batch_size_per_device=8, logprob_chunk_size=2,
+                       loss_agg_mode=agg, use_kl_loss=False, entropy_coeff=0.0, loss_scale_factor=scale,
+                       policy_loss=PolicyLossConfig(loss_mode=loss_mode), clip_ratio_low=0.05, clip_ratio_high=0.05,
+                       optim=OptimConfig(lr=1e-3))
+    actor = ActorEngine(module, mesh, acfg, R_LEN)
+    batch = make_batch(cfg.vocab_size)
+    rng = np.random.default_rng(3)
+    batch["is_weights"] = rng.uniform(0.0, 2.0, batch["response_mask"].shape).astype(np.float32)
+    b = actor.shard_batch(batch)
+    logprobs, _ = actor.logprobs(params, b)
+    _, metrics = actor.update(actor.init_state(params), b)
+    mask = batch["response_mask"]
+    want, _ = compute_policy_loss(loss_mode, batch["old_logprobs"], np.asarray(logprobs), batch["advantages"], mask,
+                                  acfg, agg, is_weights=batch["is_weights"], horizon=scale or R_LEN)
+    unweighted, _ = compute_policy_loss(loss_mode, batch["old_logprobs"], np.asarray(logprobs), batch["advantages"],
+                                        mask, acfg, agg, horizon=scale or R_LEN)
+    assert abs(float(want) - float(unweighted)) > 1e-3  # the weights matter here
+    np.testing.assert_allclose(float(metrics["pg_loss"]), float(want), rtol=1e-5, atol=1e-6)
