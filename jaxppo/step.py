@@ -38,6 +38,7 @@ from jaxppo.engine import ActorEngine, CriticEngine, TrainState
 from jaxppo.metrics import rollout_metrics
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.perf import step_flops
+from jaxppo.ppo import rollout_correction as rollout_corr
 from jaxppo.errors import ConfigError
 from jaxppo.rewards import score_batch
 from jaxppo.rewards.shaping import groups_with_signal, overlong_penalty
@@ -156,7 +157,7 @@ def rollout_sampling(cfg: Config, seed: int | None, step: int) -> Sampling:
     data.max_response_length; the engine's log-probs always when something trains on them
     (rollout.calculate_log_probs, actor.tis_threshold), else on every MISMATCH_EVERY-th step."""
     r = cfg.rollout
-    always = r.calculate_log_probs or cfg.actor.tis_threshold is not None
+    always = r.calculate_log_probs or cfg.actor.tis_threshold is not None or rollout_corr.enabled(cfg)
     return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                     max_tokens=cfg.data.max_response_length, seed=seed,
                     logprobs=always or step % MISMATCH_EVERY == 0)
@@ -389,6 +390,13 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     if ctx.critic is not None:
         cbatch = {k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}
         cbatch.update(values=values, returns=ret)
+    rc_metrics = {}
+    if rollout_corr.enabled(cfg):  # verl's rollout correction: weights, rejected tokens out of the actor's loss mask
+        weights, actor_mask, rc_metrics = rollout_corr.rollout_correction(old_lp, ro.logprobs, rmask,
+                                                                          cfg.algorithm.rollout_correction)
+        if weights is not None:
+            batch["is_weights"] = weights.astype(np.float32)
+        batch["response_mask"] = actor_mask.astype(rmask.dtype)
     local = {"scores": scores, "rewards": rewards.sum(-1), "adv": adv, "ret": ret, "sampling_lp": sampling_lp,
              "rollout_lp": ro.logprobs, "rmask": rmask, "lengths": ro.lengths.astype(np.float64),
              "prompt_lengths": p_mask.sum(-1)[ro.prompt_index].astype(np.float64),
@@ -404,6 +412,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     metrics = rollout_metrics(g, step, state.kl_coef, ctx.R)
     metrics.update(kl_metrics)
     metrics.update(batch_metrics)
+    metrics.update(rc_metrics)
     counts = g["reward_counts"].reshape(-1, 3).sum(0)
     metrics["reward/errors"], metrics["reward/timeouts"] = float(counts[0]), float(counts[1])
     if ctx.reward_model is not None:
@@ -421,7 +430,7 @@ def update_keys(cfg: Config, has_ref: bool) -> tuple[tuple[str, ...], tuple[str,
     actor = ["old_logprobs", "advantages"]
     if has_ref and needs_ref_logprobs(cfg):
         actor.append("ref_logprobs")
-    if cfg.actor.tis_threshold is not None:
+    if cfg.actor.tis_threshold is not None or cfg.algorithm.rollout_correction.rollout_is is not None:
         actor.append("is_weights")
     return tuple(actor), ("values", "returns")
 

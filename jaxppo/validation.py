@@ -1,8 +1,8 @@
 """Validation as verl reports it: `rollout.val_kwargs.n` responses per validation prompt (greedy unless
 `do_sample`), scored by the run's reward, summarised per data source with verl's bootstrapped estimates.
 
-    val-core/<source>/reward/mean@N       mean score of all N responses per prompt (N = val_kwargs.n)
-    val-core/<source>/reward/best@N/mean  best of N responses drawn with replacement from each prompt's N, over
+    val-core/<source>/acc/mean@N          mean score of all N responses per prompt (N = val_kwargs.n)
+    val-core/<source>/acc/best@N/mean     best of N responses drawn with replacement from each prompt's N, over
                                           1000 bootstrap draws (seed 42), averaged over prompts; `maj@N/mean` the
                                           score of the majority answer in the same draws
     val-aux/<source>/...                  the `/std` of each, worst@k, std@N, best@k / maj@k for k = 2, 4, ... < N,
@@ -10,8 +10,9 @@
     val/<source>/score, val/score         mean score over every response (the one-line summary)
 
 Majority voting needs each response's answer: a user's function gives it as `pred` in its dict result (verl's
-key); the built-in rules extract it (`jaxppo.rewards.get_answer_extractor`). When a user's function returns `acc`,
-`acc` is the core variable instead of `reward`, as in verl.
+key); the built-in rules extract it (`jaxppo.rewards.get_answer_extractor`). The core variable is `acc`, as in
+verl's reward managers: a function that returns a number (the built-in rules) has acc = its score; a function that
+returns a dict has the `acc` it gives, and without one `reward` (its score) is the core variable.
 
 `validate_only` is `trainer.val_only=true`: the newest checkpoint of the run directory (or `trainer.resume_mode`'s
 checkpoint), else the run's warm-start model, else `model.path` / the embedded default's model, validated with
@@ -155,6 +156,8 @@ def validate(ctx: Any, actor_params: Any) -> dict[str, float]:
             for j, row in enumerate(src):
                 rec = {"row": int(row), "source": sources[j], "reward": float(res.scores[j]), "pred": preds[j]}
                 rec.update({k: float(v[j]) for k, v in res.extras.items() if np.isfinite(v[j])})
+                if len(rec) == 4:  # a function that returned a number: acc = score, as verl's reward managers
+                    rec["acc"] = rec["reward"]
                 records.append(rec)
     records = [r for part in dist.gather_objects(records) for r in part]
     return summarise(records)

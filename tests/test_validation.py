@@ -141,12 +141,14 @@ def test_val_only_on_the_embedded_default_with_n_samples(tmp_path):
     run = tmp_path / "run"
     res = run_train(run, *FAST, "trainer.val_only=true", "rollout.val_kwargs.n=4", "rollout.val_kwargs.temperature=1.0",
                     "rollout.val_kwargs.do_sample=true")
-    for key in ("val-core/synthetic/arithmetic/reward/mean@4", "val-core/synthetic/arithmetic/reward/best@4/mean",
-                "val-core/synthetic/arithmetic/reward/maj@4/mean"):
+    # the built-in rule returns a number: acc = its score is the core variable, as verl's reward managers log it
+    for key in ("val-core/synthetic/arithmetic/acc/mean@4", "val-core/synthetic/arithmetic/acc/best@4/mean",
+                "val-core/synthetic/arithmetic/acc/maj@4/mean"):
         assert key in res.stdout
     rec = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert rec["step"] == 0 and rec["val-core/synthetic/arithmetic/reward/mean@4"] == pytest.approx(rec["val/score"])
-    assert rec["val-core/synthetic/arithmetic/reward/best@4/mean"] >= rec["val/score"]
+    assert rec["val-aux/synthetic/arithmetic/reward/mean@4"] == rec["val-core/synthetic/arithmetic/acc/mean@4"]
+    assert rec["step"] == 0 and rec["val-core/synthetic/arithmetic/acc/mean@4"] == pytest.approx(rec["val/score"])
+    assert rec["val-core/synthetic/arithmetic/acc/best@4/mean"] >= rec["val/score"]
     assert not (run / "checkpoints").exists() and not (run / "warm_model").exists()  # nothing trained
 
 

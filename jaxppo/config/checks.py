@@ -279,6 +279,17 @@ def _check_sampling_and_rewards(cfg: Config) -> None:
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg"):
         _check(r.n >= 2, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each prompt's responses: "
                "set rollout.n >= 2")
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is not None or rc.rollout_rs is not None:
+        from jaxppo.ppo import rollout_correction as corr
+
+        _check(rc.rollout_is is None or rc.rollout_is in corr.IS_LEVELS, f"algorithm.rollout_correction.rollout_is "
+               f"{rc.rollout_is!r} unknown; known: {list(corr.IS_LEVELS)}")
+        corr.parse_is_threshold(rc.rollout_is_threshold)
+        if rc.rollout_rs is not None:
+            corr.parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+        _check(cfg.actor.tis_threshold is None, "actor.tis_threshold and algorithm.rollout_correction both weight the "
+               "loss: use one (rollout_is=token with rollout_is_threshold is the same truncation)")
     pl = cfg.actor.policy_loss
     _check(pl.loss_mode != "dro" or pl.dro_beta is not None,
            "actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0")

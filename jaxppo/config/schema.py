@@ -170,8 +170,21 @@ class KLCtrlConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """verl's `algorithm.rollout_correction` (jaxppo/ppo/rollout_correction.py): importance weights and rejection
+    for the gap between the policy that sampled (the rollout engine) and the trainer's; off unless set."""
+
+    rollout_is: Optional[str] = None  # token | sequence: importance weights pi_trainer / pi_rollout; None: none
+    rollout_is_threshold: str = "2.0"  # upper bound (truncate), or "lower_upper" (zero outside: IcePop)
+    rollout_is_batch_normalize: bool = False  # rescale the weights to mean 1 over the batch
+    # rejection: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3; None: none
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[str] = None  # one per option or one for all (k1: "lower_upper" ratio bounds)
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
-    adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce_plus_plus
+    adv_estimator: str = "gae"  # gae | grpo | grpo_passk | rloo | opo | gpg | reinforce_plus_plus(_baseline)
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
     norm_adv_by_std_in_grpo: bool = True  # False: Dr.GRPO
@@ -179,6 +192,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # estimator for the in-reward KL
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=lambda: FilterGroupsConfig())
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass(frozen=True)
@@ -222,6 +236,7 @@ class CustomRewardFunctionConfig:
 
     path: str | None = None  # a .py file (None: the rule registered for each row's data_source)
     name: str = "compute_score"  # compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict
+    reward_kwargs: dict = field(default_factory=dict)  # further keyword arguments of the function (verl's key)
 
 
 FSDP_GATHER = ("layer", "update")  # mesh.fsdp_gather

@@ -1,7 +1,9 @@
 """A user's reward function from a Python file, verl's way: `custom_reward_function.path` (a `.py` file) and
 `custom_reward_function.name` (default `compute_score`), called as
 `compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)` and returning a number or
-a dict with a `score` key (its other numeric keys are logged as `reward/extra/<key>/mean`).
+a dict with a `score` key (its other numeric keys are logged as `reward/extra/<key>/mean`), with
+`custom_reward_function.reward_kwargs` as further keyword arguments (verl's key); an `async def` function is run
+to completion per sample.
 
 It is scored like the built-in rules (`jaxppo.rewards.registry.score_batch`: a time limit per sample, a sample
 that raises or returns something else scores 0 and is counted, never a crash), in worker processes too: the
@@ -9,7 +11,9 @@ function travels there as (path, name) and is imported from the file again."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -47,20 +51,23 @@ class FileRewardFn:
 
     takes_data_source = True  # called with verl's keyword arguments (data_source first)
 
-    def __init__(self, path: str | Path, name: str = "compute_score"):
-        self.path, self.name = str(Path(path).resolve()), name
+    def __init__(self, path: str | Path, name: str = "compute_score", kwargs: dict | None = None):
+        self.path, self.name, self.kwargs = str(Path(path).resolve()), name, dict(kwargs or {})
         self._fn = load_function(self.path, name)
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "name": self.name}
+        return {"path": self.path, "name": self.name, "kwargs": self.kwargs}
 
     def __setstate__(self, state: dict) -> None:
-        self.path, self.name = state["path"], state["name"]
+        self.path, self.name, self.kwargs = state["path"], state["name"], state.get("kwargs", {})
         self._fn = load_function(self.path, self.name)
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> Any:
-        return self._fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                        extra_info=extra_info)
+        out = self._fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                       extra_info=extra_info, **self.kwargs)
+        if inspect.isawaitable(out):  # an `async def compute_score`, as verl's reward loop allows
+            out = asyncio.run(_awaited(out))
+        return out
 
     def __repr__(self) -> str:
         return f"FileRewardFn({self.path!r}, {self.name!r})"
@@ -69,4 +76,8 @@ class FileRewardFn:
 def from_config(cfg: Any) -> FileRewardFn | None:
     """The user's function of a Config (`custom_reward_function.path` / `.name`), or None."""
     c = cfg.custom_reward_function
-    return FileRewardFn(c.path, c.name) if c.path else None
+    return FileRewardFn(c.path, c.name, c.reward_kwargs) if c.path else None
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable

@@ -307,3 +307,51 @@ def test_an_unknown_policy_loss_exits_2_listing_the_known_ones(tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc == 2 and "'grpo_plus' unknown" in err and "gspo" in err and "cispo" in err, err
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- rollout correction
+
+RC_CASES = [dict(rollout_is="token", rollout_is_threshold="2.0"),
+            dict(rollout_is="sequence", rollout_is_threshold="3.0", rollout_is_batch_normalize=True),
+            dict(rollout_is="token", rollout_is_threshold="0.5_1.8", rollout_is_batch_normalize=True),
+            dict(rollout_rs="token_k1", rollout_rs_threshold="0.7_1.4"),
+            dict(rollout_rs="token_k2,token_k3", rollout_rs_threshold="0.05"),
+            dict(rollout_rs="seq_mean_k1,seq_sum_k2,seq_max_k3", rollout_rs_threshold="0.8_1.25,0.3,0.08"),
+            dict(rollout_is="sequence", rollout_is_threshold="5.0", rollout_rs="seq_mean_k3,seq_sum_k1",
+                 rollout_rs_threshold="0.02,2.0")]
+
+
+@pytest.mark.parametrize("case", RC_CASES, ids=lambda c: "+".join(f"{k}={v}" for k, v in c.items()))
+def test_rollout_correction_weights_mask_and_metrics_equal_verls(case):
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    from jaxppo.config import load_config
+    from jaxppo.ppo.rollout_correction import rollout_correction
+
+    rc = load_config(None, [f"algorithm.rollout_correction.{k}={v}" for k, v in case.items()]).algorithm.rollout_correction
+    for seed in SEEDS:
+        rng, mask, _, _ = batch(seed, holes=seed % 2 == 1)
+        old = rng.normal(-1.5, 0.6, mask.shape)
+        rollout = old + rng.normal(0.0, 0.25, mask.shape)
+        w_proto, w_mask, w_m = compute_rollout_correction_and_rejection_mask(
+            t64(old), t64(rollout), t64(mask), rollout_is=case.get("rollout_is"),
+            rollout_is_threshold=case.get("rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=case.get("rollout_is_batch_normalize", False),
+            rollout_rs=case.get("rollout_rs"), rollout_rs_threshold=case.get("rollout_rs_threshold"))
+        g_w, g_mask, g_m = rollout_correction(old, rollout, mask, rc)
+        assert (g_w is None) == (w_proto is None)
+        if g_w is not None:
+            close(g_w, w_proto.batch["rollout_is_weights"], f"weights {case}, seed {seed}")
+        close(g_mask, w_mask, f"mask {case}, seed {seed}")
+        assert set(g_m) == set(w_m), (sorted(set(g_m) - set(w_m)), sorted(set(w_m) - set(g_m)))  # verl's names
+        for k, v in g_m.items():
+            close(v, w_m[k], f"{k} {case}, seed {seed}")
+
+
+def test_an_unknown_rejection_option_exits_2_listing_the_known_ones(tmp_path, capsys):
+    from jaxppo.train import main
+
+    rc = main([f"trainer.default_local_dir={tmp_path / 'run'}", "algorithm.rollout_correction.rollout_rs=token_k4",
+               "algorithm.rollout_correction.rollout_rs_threshold=2.0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "token_k4" in err and "seq_mean_k1" in err, err

@@ -49,3 +49,12 @@ def test_a_missing_file_or_function_is_a_config_error(tmp_path):
 
 # training with a user's function through `python -m jaxppo.train`: tests/test_validation.py (its val_only test
 # trains with `digest` from this file first)
+
+
+def test_reward_kwargs_reach_the_function_and_an_async_function_is_awaited():
+    fn = FileRewardFn(USER, "scaled", {"scale": 3.0, "bonus": 0.5})
+    for workers in (0, 2):  # in worker processes the kwargs travel with the function
+        res = score_batch(["s", "s"], ["7", "8"], ["7", "7"], reward_fn=fn, num_workers=workers)
+        assert res.scores.tolist() == [3.5, 0.5] and res.num_errors == 0
+    res = score_batch(["s", "s"], ["7", "8"], ["7", "7"], reward_fn=FileRewardFn(USER, "async_score"))
+    assert res.scores.tolist() == [1.0, 0.25] and res.num_errors == 0  # a coroutine used to score 0

@@ -34,3 +34,16 @@ def digest(data_source, solution_str, ground_truth, extra_info=None):
 
     crc = zlib.crc32(solution_str.encode())
     return {"score": float(crc % 2), "digest": float(crc % 1000)}
+
+
+def scaled(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, bonus=0.0):
+    """verl's reward_kwargs arrive as keyword arguments."""
+    return scale * (1.0 if solution_str == ground_truth else 0.0) + bonus
+
+
+async def async_score(data_source, solution_str, ground_truth, extra_info=None):
+    """An async compute_score, as verl's reward loop allows."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return 1.0 if solution_str == ground_truth else 0.25
