@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -126,6 +127,77 @@ def _sample_batch(weights, model_dir, cfg, dtype: str, device: str, num_seqs: in
     batch = train_sequences(p_ids, p_mask, ro)
     scores = rng.integers(0, 2, size=num_seqs).astype(np.float32)
     return batch, scores, ro.prompt_index
+
+
+def _side_by_side(J: dict, T: dict, rmask: np.ndarray, K: int, cfg: Any, actor: tuple, critic: tuple) -> list[dict]:
+    """The report's rows: each quantity from both frameworks, their relative difference and what it is relative to.
+    `actor` / `critic`: (jaxppo's parameter update, torch's, the parameters before, the learning rate per
+    mini-batch)."""
+    import torch
+
+    rows = []
+    lp_scale = float(np.mean(np.abs(J["old_logprobs"][rmask > 0])))
+    adv_scale = float(np.mean(np.abs(J["advantages"][rmask > 0])))
+
+    def add(name, j, t, scale=1e-6, mask=None, scale_name=""):
+        t = t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        what = "max |torch| over valid tokens" if mask is not None else "|torch|"
+        rows.append({"quantity": name, "jax": float(np.mean(np.asarray(j)[mask > 0])) if mask is not None else float(j),
+                     "torch": float(np.mean(t[mask > 0])) if mask is not None else float(t),
+                     "rel_diff": _rel(j, t, scale, mask),
+                     "relative_to": f"max({what}, {scale_name} {scale:.3g})" if scale_name else what})
+
+    for k in ("old_logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns"):
+        if J[k] is not None:
+            add(k, J[k], T[k], mask=rmask)
+    # a loss near 0 (ppo_kl on the first mini-batch, a pg_loss whose advantages cancel) is compared with the scale
+    # of what it is made of, not with itself
+    scales = {"ppo_kl": (lp_scale, "mean |log-prob|"), "kl_loss": (lp_scale, "mean |log-prob|"),
+              "pg_loss": (adv_scale, "mean |advantage|"), "pg_clipfrac": (1.0, "a fraction's 1"),
+              "vf_clipfrac": (1.0, "a fraction's 1")}
+    for i in range(K):
+        for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm") + (("kl_loss",) if cfg.actor.use_kl_loss
+                                                                                  else ()):
+            scale, what = scales.get(k, (1e-6, ""))
+            add(f"actor/{k}[{i}]", J["actor"][i][k], T["actor"][i][k], scale, scale_name=what)
+        for k in ("vf_loss", "vf_clipfrac", "grad_norm"):
+            scale, what = scales.get(k, (1e-6, ""))
+            add(f"critic/{k}[{i}]", J["critic"][i][k], T["critic"][i][k], scale, scale_name=what)
+
+    def l2_rel(a: dict, b: dict) -> float:
+        """||a - b|| / ||b|| over every tensor (float64)."""
+        num = sum(float(np.sum((np.asarray(a[n], np.float64) - np.asarray(b[n], np.float64)) ** 2)) for n in b)
+        return float(np.sqrt(num / max(sum(float(np.sum(np.asarray(b[n], np.float64) ** 2)) for n in b), 1e-300)))
+
+    def norm(a: dict) -> float:
+        return float(np.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in a.values())))
+
+    def param_rows(name, jd, td, p0, lrs, sub_cfg):
+        """The parameter update, and why its difference is what it is. Adam divides each gradient element by
+        its own magnitude (+ eps), so elements whose gradient is fp32 rounding noise in both frameworks take
+        steps decided by rounding: the updates' difference is not a parity figure on its own. What is checked:
+        each mini-batch's gradients (rel. L2 <= 1e-4), and each framework's optimizer against AdamW in float64
+        applied to that framework's own gradients (rel. L2 <= 1e-4). Reported beside the update's difference:
+        the difference float64 AdamW predicts from the two gradient sequences alone."""
+        tn = {n: td[n].cpu().numpy().astype(np.float64) for n in jd}
+        names = [n for n in jd if n in T[f"{name}_grads"][0]]  # a tied head is one torch parameter
+        jg = [{n: g[n] for n in names} for g in J[f"{name}_grads"]]
+        tg = [{n: g[n].numpy() for n in names} for g in T[f"{name}_grads"]]
+        for i in range(K):
+            rows.append({"quantity": f"{name}/gradient[{i}]", "jax": norm(jg[i]), "torch": norm(tg[i]),
+                         "rel_diff": l2_rel(jg[i], tg[i]), "relative_to": "||torch's gradient|| (L2, all tensors)"})
+        pj, pt = adamw64(p0, jg, lrs, sub_cfg), adamw64(p0, tg, lrs, sub_cfg)
+        jn, tnn = {n: jd[n] for n in names}, {n: tn[n] for n in names}
+        rows.append({"quantity": f"{name}/optimizer_step (jax vs float64 AdamW)", "jax": norm(jn), "torch": norm(pj),
+                     "rel_diff": l2_rel(jn, pj), "relative_to": "||float64 AdamW's step|| (L2)"})
+        rows.append({"quantity": f"{name}/optimizer_step (torch vs float64 AdamW)", "jax": norm(tnn), "torch": norm(pt),
+                     "rel_diff": l2_rel(tnn, pt), "relative_to": "||float64 AdamW's step|| (L2)"})
+        rows.append({"quantity": f"{name}/param_update", "jax": norm(jd), "torch": norm(tn), "rel_diff": l2_rel(jd, tn),
+                     "predicted": l2_rel(pj, pt), "check": False, "relative_to": "||torch's update|| (L2)"})
+
+    param_rows("actor", *actor, cfg.actor.optim)
+    param_rows("critic", *critic, cfg.critic.optim)
+    return rows
 
 
 def ppo_step_report(args, overrides: list[str]) -> dict:
@@ -297,61 +369,8 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     for key in ("actor_grads", "critic_grads"):  # peft's names -> jaxppo's
         T[key] = [{t_name(n): g for n, g in d.items()} for d in T[key]]
 
-    # ---- side by side
-    rows = []
-    lp_scale = float(np.mean(np.abs(J["old_logprobs"][rmask > 0])))
-    adv_scale = float(np.mean(np.abs(J["advantages"][rmask > 0])))
-
-    def add(name, j, t, scale=1e-6, mask=None):
-        t = t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-        rows.append({"quantity": name, "jax": float(np.mean(np.asarray(j)[mask > 0])) if mask is not None else float(j),
-                     "torch": float(np.mean(t[mask > 0])) if mask is not None else float(t),
-                     "rel_diff": _rel(j, t, scale, mask)})
-
-    for k in ("old_logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns"):
-        if J[k] is not None:
-            add(k, J[k], T[k], mask=rmask)
-    scales = {"ppo_kl": lp_scale, "kl_loss": lp_scale, "pg_loss": adv_scale, "pg_clipfrac": 1.0, "vf_clipfrac": 1.0}
-    for i in range(K):
-        for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm") + (("kl_loss",) if cfg.actor.use_kl_loss
-                                                                                  else ()):
-            add(f"actor/{k}[{i}]", J["actor"][i][k], T["actor"][i][k], scales.get(k, 1e-6))
-        for k in ("vf_loss", "vf_clipfrac", "grad_norm"):
-            add(f"critic/{k}[{i}]", J["critic"][i][k], T["critic"][i][k], scales.get(k, 1e-6))
-
-    def l2_rel(a: dict, b: dict) -> float:
-        """||a - b|| / ||b|| over every tensor (float64)."""
-        num = sum(float(np.sum((np.asarray(a[n], np.float64) - np.asarray(b[n], np.float64)) ** 2)) for n in b)
-        return float(np.sqrt(num / max(sum(float(np.sum(np.asarray(b[n], np.float64) ** 2)) for n in b), 1e-300)))
-
-    def norm(a: dict) -> float:
-        return float(np.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in a.values())))
-
-    def param_rows(name, jd, td, p0, sub_cfg, lrs):
-        """The parameter update, and why its difference is what it is. Adam divides each gradient element by
-        its own magnitude (+ eps), so elements whose gradient is fp32 rounding noise in both frameworks take
-        steps decided by rounding: the updates' difference is not a parity figure on its own. What is checked:
-        each mini-batch's gradients (rel. L2 <= 1e-4), and each framework's optimizer against AdamW in float64
-        applied to that framework's own gradients (rel. L2 <= 1e-4). Reported beside the update's difference:
-        the difference float64 AdamW predicts from the two gradient sequences alone."""
-        tn = {n: td[n].cpu().numpy().astype(np.float64) for n in jd}
-        names = [n for n in jd if n in T[f"{name}_grads"][0]]  # a tied head is one torch parameter
-        jg = [{n: g[n] for n in names} for g in J[f"{name}_grads"]]
-        tg = [{n: g[n].numpy() for n in names} for g in T[f"{name}_grads"]]
-        for i in range(K):
-            rows.append({"quantity": f"{name}/gradient[{i}]", "jax": norm(jg[i]), "torch": norm(tg[i]),
-                         "rel_diff": l2_rel(jg[i], tg[i])})
-        pj, pt = adamw64(p0, jg, lrs, sub_cfg), adamw64(p0, tg, lrs, sub_cfg)
-        jn, tnn = {n: jd[n] for n in names}, {n: tn[n] for n in names}
-        rows.append({"quantity": f"{name}/optimizer_step (jax vs float64 AdamW)", "jax": norm(jn), "torch": norm(pj),
-                     "rel_diff": l2_rel(jn, pj)})
-        rows.append({"quantity": f"{name}/optimizer_step (torch vs float64 AdamW)", "jax": norm(tnn), "torch": norm(pt),
-                     "rel_diff": l2_rel(tnn, pt)})
-        rows.append({"quantity": f"{name}/param_update", "jax": norm(jd), "torch": norm(tn), "rel_diff": l2_rel(jd, tn),
-                     "predicted": l2_rel(pj, pt), "check": False})
-
-    param_rows("actor", a_delta, ta_delta, a0, cfg.actor.optim, [float(a_lr(i)) for i in range(K)])
-    param_rows("critic", c_delta, tc_delta, c0, cfg.critic.optim, [float(c_lr(i)) for i in range(K)])
+    rows = _side_by_side(J, T, rmask, K, cfg, (a_delta, ta_delta, a0, [float(a_lr(i)) for i in range(K)]),
+                         (c_delta, tc_delta, c0, [float(c_lr(i)) for i in range(K)]))
     report = {"subcommand": "ppo-step", "model": args.model, "dtype": args.dtype, "device": dev,
               "jax_backend": jax.default_backend(), "batch": B, "prompt_len": P, "response_len": R,
               "mini_batches": K, "micro_batches": args.micro_batches, "loss_agg_mode": cfg.actor.loss_agg_mode,
@@ -469,11 +488,12 @@ def _print_table(report: dict) -> None:
             continue
         print(f"{k:<{width}}  {v}")
     if "rows" in report:
-        print(f"\n{'quantity':<48} {'jax':>14} {'torch':>14} {'rel diff':>10}")
+        print(f"\n{'quantity':<48} {'jax':>14} {'torch':>14} {'rel diff':>10}  relative to")
         for r in report["rows"]:
             note = (f"  (float64 AdamW on the two gradient sequences predicts {r['predicted']:.2e}; not in "
                     "max_rel_diff)") if "predicted" in r else ""
-            print(f"{r['quantity']:<48} {r['jax']:>14.6g} {r['torch']:>14.6g} {r['rel_diff']:>10.2e}{note}")
+            print(f"{r['quantity']:<48} {r['jax']:>14.6g} {r['torch']:>14.6g} {r['rel_diff']:>10.2e}  "
+                  f"{r.get('relative_to', '')}{note}")
     if "timing" in report:
         t = report["timing"]
         print(f"\n{'phase (median s)':<18} {'jax':>10} {'torch':>10} {'torch/jax':>10}")

@@ -48,6 +48,11 @@ def check_report(report: dict) -> dict:
                  "critic/optimizer_step (torch vs float64 AdamW)"):
         assert name in rows, name
     assert rows["actor/pg_clipfrac[1]"]["torch"] > 0  # the second mini-batch really is off-policy
+    # each row says what its difference is divided by; a loss near 0 by the scale of what it is made of
+    assert all(r.get("relative_to") for r in rows.values()), [q for q, r in rows.items() if not r.get("relative_to")]
+    assert "mean |advantage|" in rows["actor/pg_loss[1]"]["relative_to"]
+    assert "mean |log-prob|" in rows["actor/ppo_kl[1]"]["relative_to"]
+    assert rows["actor/param_update"]["relative_to"] == "||torch's update|| (L2)"
     bad = {q: r["rel_diff"] for q, r in rows.items() if r.get("check", True) and r["rel_diff"] > 1e-4}
     assert not bad, bad
     for name in ("actor", "critic"):  # the update's difference is what the gradients' difference predicts
