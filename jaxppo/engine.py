@@ -30,9 +30,9 @@ from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticCo
 from jaxppo.accumulate import _without, minibatch_gradients, optimizer_step
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
+from jaxppo.ppo.policy_losses import compute_policy_loss
 from jaxppo.programs import Memory, Program
 from jaxppo.sharding import activation_rules
-from jaxppo.ppo.policy_losses import compute_policy_loss
 
 Batch = dict[str, jax.Array]
 

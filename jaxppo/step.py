@@ -39,7 +39,6 @@ from jaxppo.metrics import rollout_metrics
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.perf import step_flops
 from jaxppo.ppo import rollout_correction as rollout_corr
-from jaxppo.errors import ConfigError
 from jaxppo.rewards import score_batch
 from jaxppo.rewards.shaping import groups_with_signal, overlong_penalty
 from jaxppo.rollout import RolloutEngine, Rollouts, Sampled, Sampling, train_sequences

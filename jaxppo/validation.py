@@ -155,8 +155,9 @@ def validate(ctx: Any, actor_params: Any) -> dict[str, float]:
             preds = res.preds or [get_answer_extractor(s, cfg.reward.default_rule)(t) for s, t in zip(sources, texts)]
             for j, row in enumerate(src):
                 rec = {"row": int(row), "source": sources[j], "reward": float(res.scores[j]), "pred": preds[j]}
-                rec.update({k: float(v[j]) for k, v in res.extras.items() if np.isfinite(v[j])})
-                if len(rec) == 4:  # a function that returned a number: acc = score, as verl's reward managers
+                extras = {k: float(v[j]) for k, v in res.extras.items() if np.isfinite(v[j])}
+                rec.update(extras)
+                if not extras:  # a function that returned a number: acc = score, as verl's reward managers
                     rec["acc"] = rec["reward"]
                 records.append(rec)
     records = [r for part in dist.gather_objects(records) for r in part]

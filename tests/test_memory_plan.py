@@ -20,6 +20,11 @@ PACKED = [*FAST, "algorithm.adv_estimator=grpo", "actor.use_dynamic_bsz=true",
           "actor.log_prob_max_token_len_per_device=2048", "trainer.memory_margin_gb=0.001"]
 
 
+# a program's bytes against its token budget, as the budget search may meet them
+COST_CURVES = {"linear": lambda b: 10 + 2 * b, "quadratic": lambda b: 10 + b + b * b / 1000,
+               "jump": lambda b: 10 + 3 * b + (5000 if b > 20000 else 0)}
+
+
 def prepared(tmp_path, *overrides):
     from jaxppo import start
 
@@ -32,9 +37,7 @@ def test_search_budget_finds_the_largest_rung_that_fits_with_few_compiles():
     from jaxppo.plan import ladder, search_budget
 
     rungs = ladder(768)
-    shapes = {"linear": lambda b: 10 + 2 * b, "quadratic": lambda b: 10 + b + b * b / 1000,
-              "jump": lambda b: 10 + 3 * b + (5000 if b > 20000 else 0)}
-    for name, f in shapes.items():
+    for name, f in COST_CURVES.items():
         for avail in (5_000, 30_000, 60_000, 10**9, 5):
             seen = []
             got, n, rounds = search_budget(lambda b: (seen.append(b), f(b))[1], avail, rungs, 16384)
@@ -48,9 +51,7 @@ def test_the_search_compiles_several_rungs_at_once_and_finds_the_same_budget_in_
     from jaxppo.plan import ladder, search_budget
 
     rungs = ladder(768)
-    shapes = {"linear": lambda b: 10 + 2 * b, "quadratic": lambda b: 10 + b + b * b / 1000,
-              "jump": lambda b: 10 + 3 * b + (5000 if b > 20000 else 0)}
-    for name, f in shapes.items():
+    for name, f in COST_CURVES.items():
         for avail in (5_000, 30_000, 60_000, 10**9, 5):
             _, _, one_at_a_time = search_budget(f, avail, rungs, 16384)
             for width in (2, 3, 4):

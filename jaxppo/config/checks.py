@@ -276,7 +276,9 @@ def _check_sampling_and_rewards(cfg: Config) -> None:
     _check(v.top_k == -1 or v.top_k > 0, "rollout.val_kwargs.top_k must be -1 (off) or positive")
     _check(r.top_k == -1 or r.top_k > 0, f"rollout.top_k must be -1 (off) or positive, got {r.top_k}")
     _check(cfg.actor.logprob_chunk_size >= 1, "actor.logprob_chunk_size must be >= 1")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg"):
+    from jaxppo.ppo.advantages import compares_groups
+
+    if compares_groups(cfg.algorithm.adv_estimator):
         _check(r.n >= 2, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each prompt's responses: "
                "set rollout.n >= 2")
     rc = cfg.algorithm.rollout_correction

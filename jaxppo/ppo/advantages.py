@@ -175,6 +175,14 @@ def gpg_estimator(token_level_rewards, response_mask, *, group_ids, f_norm: floa
     return _per_token(alpha * (scores - jnp.where(count > 1, mean, 0.0)) / f_norm, mask)
 
 
+def compares_groups(name: str) -> bool:
+    """Whether the estimator registered as `name` compares each prompt's responses (it takes `group_ids`): a run
+    needs rollout.n >= 2 for it."""
+    import inspect
+
+    return "group_ids" in inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters
+
+
 def compute_advantages(name: str, token_level_rewards, response_mask, **kw) -> tuple[Array, Array]:
     """Dispatch to the estimator registered as `name`."""
     return ADVANTAGE_ESTIMATORS.get(name)(token_level_rewards, response_mask, **kw)
