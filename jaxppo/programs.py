@@ -49,6 +49,10 @@ class Memory:
             + self.code
 
 
+# a GPU probe's compile (see Program.probe)
+PROBE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_disable_hlo_passes": "rematerialization"}
+
+
 class Program:
     """A jitted function whose executables are compiled from abstract or concrete arguments and kept, then called
     directly. Static arguments are part of the signature and are not passed to the executable."""
@@ -91,14 +95,17 @@ class Program:
 
     def probe(self, *args: Any) -> Memory:
         """XLA's memory for these arguments: what the budget search asks of each rung. In the child process that
-        plans a GPU run (JAXPPO_PROBE_WITHOUT_AUTOTUNE=1, `jaxppo.memory.plan_in_child`), from a compile with
-        autotuning off that is not kept (the kernels' choice barely moves the buffers, and autotuning is most of a
-        large program's compile time); elsewhere the program itself, compiled and kept."""
+        plans a GPU run (JAXPPO_PROBE_WITHOUT_AUTOTUNE=1, `jaxppo.memory.plan_in_child`), from a compile that is
+        not kept, with autotuning off (the kernels' choice barely moves the buffers, and autotuning is most of a
+        large program's compile time) and without XLA's rematerialization: that pass runs only for a program over
+        the device's memory, where it spent minutes per 7B rung failing to bring it under (seen on an H200), so a
+        rung over it is refused at its plain size, and at a rung under it the run compiles the same program;
+        elsewhere the program itself, compiled and kept."""
         import os
 
         if jax.default_backend() != "gpu" or os.environ.get("JAXPPO_PROBE_WITHOUT_AUTOTUNE") != "1":
             return self.memory(*args)  # the probe is the program the run calls: compiled once, kept
-        return Memory.of(self.jitted.lower(*args).compile(compiler_options={"xla_gpu_autotune_level": 0}))
+        return Memory.of(self.jitted.lower(*args).compile(compiler_options=PROBE_OPTIONS))
 
     def __call__(self, *args: Any) -> Any:
         exe = self.compile(*args)

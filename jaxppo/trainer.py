@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import signal
 import sys
 import threading
@@ -48,20 +47,10 @@ class _Abandoned(Exception):
     """A stop signal arrived before the step's updates began: the step is dropped, not half-done."""
 
 
-def enable_compilation_cache(path: str) -> None:
-    """JAX's persistent compilation cache: a restarted run (or the next start of the same shapes) loads its
-    compiled programs instead of compiling them again (minutes at 1.5B+ with unrolled layers)."""
-    if path:
-        jax.config.update("jax_compilation_cache_dir", str(Path(path).expanduser()))
-        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # yours wins (the tests cache all: 0)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
-
-
 class PPOTrainer:
     def __init__(self, cfg: Config, engine_factory: EngineFactory):
         self.cfg = cfg
         t = cfg.trainer
-        enable_compilation_cache(t.compilation_cache_dir)
         self.main = jax.process_index() == 0  # writes the config, metrics and logs; every process checkpoints
         # the memory plan first, from abstract states (jaxppo/start.py): a run that cannot fit stops here
         prep = start.prepare(cfg)
@@ -446,4 +435,4 @@ class PPOTrainer:
         return metrics
 
 
-__all__ = ["PPOTrainer", "enable_compilation_cache"]
+__all__ = ["PPOTrainer"]

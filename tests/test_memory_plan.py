@@ -124,12 +124,26 @@ def _staging_dirs() -> set[str]:
 
 
 def test_plan_only_exits_0_or_2_and_creates_nothing(tmp_path, capsys, one_device):
+    """... but its compiles go to JAX's persistent cache (a GPU start plans in a plan-only child: a 7B plan's
+    probes took 6.5 minutes at every start before they did)."""
+    import jax
+    from jax._src import compilation_cache
+
     from jaxppo.train import main
 
     before = _staging_dirs()
-    run = tmp_path / "run"
-    assert main([f"trainer.default_local_dir={run}", *FAST, "trainer.plan_only=true",
-                 "trainer.device_memory_gb=4"]) == 0
+    run, cache = tmp_path / "run", tmp_path / "xla"
+    old = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    compilation_cache.reset_cache()  # this process's cache starts again at the directory the run names
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        assert main([f"trainer.default_local_dir={run}", *FAST, "trainer.plan_only=true",
+                     "trainer.device_memory_gb=4", f"trainer.compilation_cache_dir={cache}"]) == 0
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+        compilation_cache.reset_cache()
+    assert cache.is_dir() and any(cache.iterdir())
     out = capsys.readouterr().out
     assert "memory plan per device" in out and "actor update" in out and "plan: fits" in out
     assert main([f"trainer.default_local_dir={run}", *FAST, "trainer.plan_only=true",
