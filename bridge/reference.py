@@ -7,11 +7,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}
 
 
-def load_hf_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
-    """The checkpoint as transformers loads it (causal LM or token classification), in eval mode."""
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """`x` in float32 (what the references compute losses in), or as it is when it is float64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def load_hf_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu", inv_freq=None):
+    """The checkpoint as transformers loads it (causal LM or token classification), in eval mode. float64: see
+    `all_float64` (`inv_freq`: RoPE's inverse frequencies in float64, required there)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -20,7 +27,43 @@ def load_hf_model(model_dir: str | Path, dtype: str = "float32", device: str = "
     if is_score:
         cfg.classifier_dropout = 0.0  # a value head without dropout, as verl's critic
     model = cls.from_pretrained(model_dir, config=cfg, dtype=TORCH_DTYPES[dtype], attn_implementation="sdpa")
+    if dtype == "float64":
+        all_float64(model, inv_freq)
     return model.to(device).eval()
+
+
+def all_float64(model, inv_freq) -> None:
+    """Make a float64 transformers model compute in float64 throughout: its RMSNorms and rotary embedding cast to
+    float32 inside whatever the model's dtype (transformers' own choice for half precision), which alone moves
+    the logits by ~1e-7. The norms are replaced by the same formula in float64, and the rotary tables are
+    computed in float64 from `inv_freq` (transformers computes those frequencies in float32 at load: the float64
+    comparison takes jaxppo's, from the config in float64; the float32 comparisons check them against
+    transformers' own)."""
+    if inv_freq is None:
+        raise ValueError("a float64 model needs RoPE's inverse frequencies in float64 (inv_freq)")
+    freq = torch.as_tensor(np.asarray(inv_freq, np.float64))
+
+    def norm(self, x):
+        x = x.double()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    @torch.no_grad()
+    def rotary(self, x, position_ids):
+        freqs = position_ids[..., None].double() * freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+    import types
+
+    seen = {"norm": 0, "rotary": 0}
+    for m in model.modules():
+        kind = type(m).__name__
+        if kind.endswith("RMSNorm"):
+            m.forward, seen["norm"] = types.MethodType(norm, m), seen["norm"] + 1
+        elif kind.endswith("RotaryEmbedding"):
+            m.forward, seen["rotary"] = types.MethodType(rotary, m), seen["rotary"] + 1
+    if not all(seen.values()):
+        raise ValueError(f"{type(model).__name__}: no RMSNorm or rotary embedding module found ({seen})")
 
 
 @torch.no_grad()
@@ -30,7 +73,7 @@ def hf_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray, position
     out = model(input_ids=torch.as_tensor(input_ids, device=device),
                 attention_mask=torch.as_tensor(attention_mask, device=device),
                 position_ids=torch.as_tensor(positions, device=device))
-    return out.logits.float().cpu().numpy()
+    return wide(out.logits).cpu().numpy()
 
 
 # ---------------------------------------------------------------- LoRA through the `peft` library
@@ -83,8 +126,9 @@ class AdaptersOff:
 
 
 def trainable_state(model, name=lambda n: n) -> dict[str, torch.Tensor]:
-    """float32 copies of the parameters that require gradients, keyed by `name(parameter name)`."""
-    return {name(n): p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """float32 (float64 model: float64) copies of the parameters that require gradients, keyed by
+    `name(parameter name)`."""
+    return {name(n): wide(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 # ---------------------------------------------------------------- one PPO step in plain torch
@@ -150,7 +194,7 @@ def response_logprobs(model, batch: dict, response_length: int, temperature: flo
                       autocast: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the response tokens under softmax(logits / temperature), float32."""
     r = response_length
-    logits = _forward(model, batch, r, autocast).float() / temperature
+    logits = wide(_forward(model, batch, r, autocast)) / temperature
     logp = torch.log_softmax(logits, -1)
     lp = logp.gather(-1, batch["input_ids"][:, -r:, None])[..., 0]
     entropy = -(logp.exp() * logp).sum(-1)
@@ -158,7 +202,7 @@ def response_logprobs(model, batch: dict, response_length: int, temperature: flo
 
 
 def response_values(critic, batch: dict, response_length: int, autocast: torch.dtype | None = None) -> torch.Tensor:
-    return _forward(critic, batch, response_length, autocast, lm=False)[..., 0].float()
+    return wide(_forward(critic, batch, response_length, autocast, lm=False)[..., 0])
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
@@ -187,9 +231,9 @@ def full_kl(model, ref_model, batch: dict, response_length: int, temperature: fl
             autocast: torch.dtype | None = None) -> torch.Tensor:
     """Exact KL(policy || reference) over the vocabulary at each response position, both at the temperature."""
     r = response_length
-    logp = torch.log_softmax(_forward(model, batch, r, autocast).float() / temperature, -1)
+    logp = torch.log_softmax(wide(_forward(model, batch, r, autocast)) / temperature, -1)
     with torch.no_grad():
-        logq = torch.log_softmax(_forward(ref_model, batch, r, autocast).float() / temperature, -1)
+        logq = torch.log_softmax(wide(_forward(ref_model, batch, r, autocast)) / temperature, -1)
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
@@ -204,7 +248,8 @@ def actor_update(model, optimizer, minibatch: dict, cfg, response_length: int, l
     mask = minibatch["response_mask"]
     num_tokens, num_seqs = mask.sum().clamp(min=1), (mask.sum(-1) > 0).sum().clamp(min=1)
     optimizer.zero_grad(set_to_none=True)
-    totals = {k: torch.zeros((), device=mask.device) for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")}
+    totals = {k: torch.zeros((), dtype=mask.dtype, device=mask.device)
+              for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")}
     for mb in _micro_batches(minibatch, n_micro):
         m = mb["response_mask"]
         norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=response_length)
@@ -228,7 +273,7 @@ def actor_update(model, optimizer, minibatch: dict, cfg, response_length: int, l
             totals["kl_loss"] += kl_loss.detach()
         loss.backward()
         totals["pg_loss"] += pg_loss.detach()
-        totals["pg_clipfrac"] += ((l2 > l1).float() * m).sum().detach() / num_tokens
+        totals["pg_clipfrac"] += ((l2 > l1).to(m.dtype) * m).sum().detach() / num_tokens
         totals["ppo_kl"] += (-log_ratio * m).sum().detach() / num_tokens
         totals["entropy"] += (entropy.detach() * m).sum() / num_tokens
     _keep_grads(model, grads)
@@ -248,7 +293,7 @@ def critic_update(critic, optimizer, minibatch: dict, cfg, response_length: int,
     mask = minibatch["response_mask"]
     num_tokens, num_seqs = mask.sum().clamp(min=1), (mask.sum(-1) > 0).sum().clamp(min=1)
     optimizer.zero_grad(set_to_none=True)
-    totals = {k: torch.zeros((), device=mask.device) for k in ("vf_loss", "vf_clipfrac")}
+    totals = {k: torch.zeros((), dtype=mask.dtype, device=mask.device) for k in ("vf_loss", "vf_clipfrac")}
     for mb in _micro_batches(minibatch, n_micro):
         m = mb["response_mask"]
         v = response_values(critic, mb, response_length, autocast)
@@ -257,7 +302,7 @@ def critic_update(critic, optimizer, minibatch: dict, cfg, response_length: int,
         loss = 0.5 * agg_loss(torch.maximum(l1, l2), m, cfg.loss_agg_mode, num_tokens, num_seqs, response_length)
         loss.backward()
         totals["vf_loss"] += loss.detach()
-        totals["vf_clipfrac"] += ((l2 > l1).float() * m).sum().detach() / num_tokens
+        totals["vf_clipfrac"] += ((l2 > l1).to(m.dtype) * m).sum().detach() / num_tokens
     _keep_grads(critic, grads)
     grad_norm = _clip_and_step(critic, optimizer, cfg.optim.grad_clip, lr)
     return {k: v.item() for k, v in totals.items()} | {"grad_norm": grad_norm.item()}
@@ -271,7 +316,7 @@ def make_adamw(model, optim_cfg, fused: bool = False) -> torch.optim.AdamW:
 
 def _clip_and_step(model, optimizer, grad_clip: float, lr: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+    grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(wide(p.grad)) for p in params]))
     scale = torch.clamp(grad_clip / grad_norm, max=1.0)  # optax.clip_by_global_norm: no epsilon
     for p in params:
         p.grad.mul_(scale.to(p.grad.dtype))

@@ -29,9 +29,9 @@ def _without(spec: P, axis: str) -> P:
 def _reduce_grad(g: jax.Array, spec: P, dtype: Any) -> jax.Array:
     """Inside shard_map: one device's whole-parameter gradient sum -> the global sum of this device's shard
     (reduce-scatter over fsdp along the dimension the parameter is sharded on; all-reduce over data),
-    communicated in `dtype`."""
+    communicated in `dtype` (float32 carries a float64 gradient as float64)."""
     out = g.dtype
-    g = g.astype(dtype)
+    g = g.astype(jnp.promote_types(dtype, g.dtype) if dtype == jnp.float32 else dtype)
     dims = [i for i, e in enumerate(spec) if e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e)]
     g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dims[0], tiled=True) if dims else jax.lax.psum(g, "fsdp")
     return jax.lax.psum(g, "data").astype(out)

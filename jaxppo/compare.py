@@ -23,6 +23,13 @@ from typing import Any
 import numpy as np
 
 SUBCOMMANDS = ("logits", "ppo-step")
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+def _jax_dtypes() -> dict:
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 
 
 def random_left_padded_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int):
@@ -48,7 +55,7 @@ def logits_report(model_dir: str, dtype: str, batch: int, seq: int, seed: int, d
     from bridge.reference import hf_logits, load_hf_model
     from jaxppo.models import load_model
 
-    jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    jdtype = _jax_dtypes()[dtype]
     head = "value" if _is_score(model_dir) else "lm"
     module, params, cfg = load_model(model_dir, head, dtype=jdtype, param_dtype=jdtype)
     ids, mask, pos = random_left_padded_batch(np.random.default_rng(seed), batch, seq, cfg.vocab_size)
@@ -56,11 +63,11 @@ def logits_report(model_dir: str, dtype: str, batch: int, seq: int, seed: int, d
     method = "forward_logits" if head == "lm" else "__call__"
     fwd = jax.jit(lambda p, i, q, s: module.apply({"params": p}, i, q, s, method=method))
     t0 = time.perf_counter()
-    ours = np.asarray(jax.block_until_ready(fwd(params, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(mask)))
-                      ).astype(np.float32)
+    ours = np.asarray(jax.block_until_ready(fwd(params, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(mask))))
+    ours = ours.astype(np.float64 if dtype == "float64" else np.float32)
     t_jax = time.perf_counter() - t0
     t0 = time.perf_counter()
-    theirs = hf_logits(load_hf_model(model_dir, dtype, device), ids, mask, pos)
+    theirs = hf_logits(load_hf_model(model_dir, dtype, device, inv_freq=cfg.inv_freq()), ids, mask, pos)
     t_torch = time.perf_counter() - t0
     if head == "value":
         theirs = theirs[..., 0]
@@ -129,22 +136,40 @@ def _sample_batch(weights, model_dir, cfg, dtype: str, device: str, num_seqs: in
     return batch, scores, ro.prompt_index
 
 
-def _side_by_side(J: dict, T: dict, rmask: np.ndarray, K: int, cfg: Any, actor: tuple, critic: tuple) -> list[dict]:
-    """The report's rows: each quantity from both frameworks, their relative difference and what it is relative to.
-    `actor` / `critic`: (jaxppo's parameter update, torch's, the parameters before, the learning rate per
-    mini-batch)."""
+# what `compare ppo-step` checks in each compute dtype (exit 1 when a row's difference exceeds its tolerance)
+CRITERIA = {
+    "float64": "every quantity, parameter updates included, within 1e-8 (JAX in x64 mode, torch in double: the "
+               "same arithmetic, only the order of operations differs)",
+    "float32": "forward values, losses, metrics and gradients within 1e-4; each optimizer step against AdamW in "
+               "float64 on its own gradients within 1e-4 + what storing the parameters in float32 rounds away "
+               "(half an ulp of each parameter per mini-batch, relative to the step: at a learning rate of 1e-6 "
+               "an update is ~1e-6 against parameters of ~0.02-1, and that rounding alone is 1e-3 to 1e-2); the "
+               "parameter update within what float64 AdamW predicts from the two gradient sequences + twice "
+               "that rounding + 1e-4",
+    "bfloat16": "none (reported only): bfloat16's rounding decides the differences; the float32 and float64 "
+                "comparisons are the checks",
+}
+BASE_TOLERANCE = {"float64": 1e-8, "float32": 1e-4, "bfloat16": None}
+
+
+def _side_by_side(J: dict, T: dict, rmask: np.ndarray, K: int, cfg: Any, dtype: str, actor: tuple, critic: tuple
+                  ) -> list[dict]:
+    """The report's rows: each quantity from both frameworks, their relative difference, what it is relative to
+    and its tolerance in `dtype` (CRITERIA; None: not checked). `actor` / `critic`: (jaxppo's parameter update,
+    torch's, the parameters before, the learning rate per mini-batch)."""
     import torch
 
+    base = BASE_TOLERANCE[dtype]
     rows = []
     lp_scale = float(np.mean(np.abs(J["old_logprobs"][rmask > 0])))
     adv_scale = float(np.mean(np.abs(J["advantages"][rmask > 0])))
 
     def add(name, j, t, scale=1e-6, mask=None, scale_name=""):
-        t = t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        t = t.detach().double().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
         what = "max |torch| over valid tokens" if mask is not None else "|torch|"
         rows.append({"quantity": name, "jax": float(np.mean(np.asarray(j)[mask > 0])) if mask is not None else float(j),
                      "torch": float(np.mean(t[mask > 0])) if mask is not None else float(t),
-                     "rel_diff": _rel(j, t, scale, mask),
+                     "rel_diff": _rel(j, t, scale, mask), "tolerance": base,
                      "relative_to": f"max({what}, {scale_name} {scale:.3g})" if scale_name else what})
 
     for k in ("old_logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns"):
@@ -174,26 +199,36 @@ def _side_by_side(J: dict, T: dict, rmask: np.ndarray, K: int, cfg: Any, actor: 
 
     def param_rows(name, jd, td, p0, lrs, sub_cfg):
         """The parameter update, and why its difference is what it is. Adam divides each gradient element by
-        its own magnitude (+ eps), so elements whose gradient is fp32 rounding noise in both frameworks take
-        steps decided by rounding: the updates' difference is not a parity figure on its own. What is checked:
-        each mini-batch's gradients (rel. L2 <= 1e-4), and each framework's optimizer against AdamW in float64
-        applied to that framework's own gradients (rel. L2 <= 1e-4). Reported beside the update's difference:
-        the difference float64 AdamW predicts from the two gradient sequences alone."""
+        its own magnitude (+ eps), so elements whose gradient is rounding noise in both frameworks take steps
+        decided by rounding, and a float32 parameter stores its update to half an ulp of the parameter. Checked:
+        each mini-batch's gradients; each framework's optimizer step against AdamW in float64 applied to that
+        framework's own gradients, within the storage rounding; the update's difference against what float64
+        AdamW predicts from the two gradient sequences alone (CRITERIA)."""
         tn = {n: td[n].cpu().numpy().astype(np.float64) for n in jd}
         names = [n for n in jd if n in T[f"{name}_grads"][0]]  # a tied head is one torch parameter
         jg = [{n: g[n] for n in names} for g in J[f"{name}_grads"]]
         tg = [{n: g[n].numpy() for n in names} for g in T[f"{name}_grads"]]
         for i in range(K):
             rows.append({"quantity": f"{name}/gradient[{i}]", "jax": norm(jg[i]), "torch": norm(tg[i]),
-                         "rel_diff": l2_rel(jg[i], tg[i]), "relative_to": "||torch's gradient|| (L2, all tensors)"})
+                         "rel_diff": l2_rel(jg[i], tg[i]), "tolerance": base,
+                         "relative_to": "||torch's gradient|| (L2, all tensors)"})
         pj, pt = adamw64(p0, jg, lrs, sub_cfg), adamw64(p0, tg, lrs, sub_cfg)
         jn, tnn = {n: jd[n] for n in names}, {n: tn[n] for n in names}
-        rows.append({"quantity": f"{name}/optimizer_step (jax vs float64 AdamW)", "jax": norm(jn), "torch": norm(pj),
-                     "rel_diff": l2_rel(jn, pj), "relative_to": "||float64 AdamW's step|| (L2)"})
-        rows.append({"quantity": f"{name}/optimizer_step (torch vs float64 AdamW)", "jax": norm(tnn), "torch": norm(pt),
-                     "rel_diff": l2_rel(tnn, pt), "relative_to": "||float64 AdamW's step|| (L2)"})
+        # half an ulp of each stored parameter, per mini-batch, relative to float64 AdamW's step
+        stored = {n: np.asarray(p0[n]) + jd[n] for n in names}
+        ulp = {n: K * np.spacing(np.abs(stored[n]).astype(np.asarray(p0[n]).dtype)) / 2 for n in names}
+        rounding = norm(ulp) / max(norm(pj), 1e-300) if dtype == "float32" else 0.0
+        step_tol = None if base is None else base + rounding
+        for who, got, want in (("jax", jn, pj), ("torch", tnn, pt)):
+            rows.append({"quantity": f"{name}/optimizer_step ({who} vs float64 AdamW)", "jax": norm(got),
+                         "torch": norm(want), "rel_diff": l2_rel(got, want), "tolerance": step_tol,
+                         "storage_rounding": rounding, "relative_to": "||float64 AdamW's step|| (L2)"})
+        predicted = l2_rel(pj, pt)
         rows.append({"quantity": f"{name}/param_update", "jax": norm(jd), "torch": norm(tn), "rel_diff": l2_rel(jd, tn),
-                     "predicted": l2_rel(pj, pt), "check": False, "relative_to": "||torch's update|| (L2)"})
+                     "predicted": predicted, "storage_rounding": rounding,
+                     "tolerance": None if base is None else (base if dtype == "float64"
+                                                             else predicted + 2 * rounding + base),
+                     "relative_to": "||torch's update|| (L2)"})
 
     param_rows("actor", *actor, cfg.actor.optim)
     param_rows("critic", *critic, cfg.critic.optim)
@@ -229,11 +264,14 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
         raise ConfigError(f"--batch {B} must split into --mini-batches {K} x --micro-batches {args.micro_batches} "
                           f"x {shards} devices")
     per_dev = mb // args.micro_batches // shards
-    jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    autocast = None if args.dtype == "float32" else torch.bfloat16
+    f64 = args.dtype == "float64"  # JAX in x64 mode (main), torch in double: the same update end to end
+    jdt = _jax_dtypes()[args.dtype]
+    pdt = jnp.float64 if f64 else jnp.float32  # the trained parameters' dtype in both frameworks
+    tdt = "float64" if f64 else "float32"
+    autocast = torch.bfloat16 if args.dtype == "bfloat16" else None
     mesh = make_mesh({"data": -1})
     impl = cfg.model.attention_impl or ("cudnn" if jax.default_backend() == "gpu" and args.dtype != "float32" else None)
-    kw = dict(mesh=mesh, dtype=jdt, param_dtype=jnp.float32, remat=cfg.model.remat, attention_impl=impl)
+    kw = dict(mesh=mesh, dtype=jdt, param_dtype=pdt, remat=cfg.model.remat, attention_impl=impl)
     a_cfg = dataclasses.replace(cfg.actor, ppo_micro_batch_size_per_device=per_dev,
                                 log_prob_micro_batch_size_per_device=per_dev)
     c_cfg = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=per_dev,
@@ -254,12 +292,12 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     critic_dir = args.critic or str(save_hf_checkpoint(split(critic_params, is_adapter)[1], mcfg,
                                                        Path(tmp.name) / "critic", head="value"))
     dev = args.device
-    t_actor = ref_torch.load_hf_model(args.model, "float32", dev).train()
-    t_critic = ref_torch.load_hf_model(critic_dir, "float32", dev).train()
+    t_load = lambda d: ref_torch.load_hf_model(d, tdt, dev, inv_freq=mcfg.inv_freq())  # noqa: E731
+    t_actor, t_critic = t_load(args.model).train(), t_load(critic_dir).train()
     if cfg.model.remat != "none":
         for m in (t_actor, t_critic):
             m.gradient_checkpointing_enable()
-    hf32 = lambda tree: {n: np.asarray(x) for n, x in export_hf_arrays(tree, jnp.float32)}  # noqa: E731
+    hf32 = lambda tree: {n: np.asarray(x) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
     t_name = ref_torch.peft_to_hf if (a_lora.rank or c_lora.rank) else (lambda n: n)
     if a_lora.rank:
         t_actor = ref_torch.wrap_lora(t_actor, a_lora.rank, a_lora.alpha, a_lora.targets,
@@ -267,15 +305,21 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     if c_lora.rank:
         t_critic = ref_torch.wrap_lora(t_critic, c_lora.rank, c_lora.alpha, c_lora.targets,
                                        hf32(split(critic_params, is_adapter)[0]), train_head=True)
+    if f64:  # peft's adapters as well
+        t_actor, t_critic = t_actor.double(), t_critic.double()
     if a_lora.rank:
         t_ref = ref_torch.AdaptersOff(t_actor)
     else:
-        t_ref = ref_torch.load_hf_model(args.ref, "float32", dev) if (use_ref and args.ref) else t_actor
+        t_ref = t_load(args.ref) if (use_ref and args.ref) else t_actor
 
-    push = LoRAWeights(*reversed(split(actor_params, is_adapter)), a_lora.scale, jdt) if a_lora.rank \
-        else export_hf_arrays(actor_params, jdt)
-    batch_np, scores, group_ids = _sample_batch(push, args.model, cfg, args.dtype, dev, B, P, R,
+    sdt = "float32" if f64 else args.dtype  # the responses are sampled in float32 (only their tokens are used)
+    push = LoRAWeights(*reversed(split(actor_params, is_adapter)), a_lora.scale, _jax_dtypes()[sdt]) \
+        if a_lora.rank else export_hf_arrays(actor_params, _jax_dtypes()[sdt])
+    batch_np, scores, group_ids = _sample_batch(push, args.model, cfg, sdt, dev, B, P, R,
                                                 cfg.rollout.n, args.seed, mcfg.pad_token_id or 0, mcfg.vocab_size)
+    if f64:
+        batch_np = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in batch_np.items()}
+        scores = scores.astype(np.float64)
     rmask = batch_np["response_mask"]
     temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
@@ -319,7 +363,7 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     J["critic"], J["actor"], J["critic_grads"], J["actor_grads"] = [], [], [], []
     full_kl = cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full"
     ref_kw = {"ref_params": ref_params} if full_kl else {}
-    hf64 = lambda tree: {n: np.asarray(x, np.float64) for n, x in export_hf_arrays(tree, jnp.float32)}  # noqa: E731
+    hf64 = lambda tree: {n: np.asarray(x, np.float64) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
     for part in jax_batches():
         cb = critic.shard_batch(_critic_part(part))
         J["critic_grads"].append(hf64(critic.gradients(c_state.params, cb)))
@@ -330,8 +374,8 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
         J["actor_grads"].append(hf64(actor.gradients(a_state.params, ab, ref_params if full_kl else None)))
         a_state, m = actor.update(a_state, ab, **ref_kw)
         J["actor"].append(jax.device_get(m))
-    a_delta = {n: np.asarray(x) - a0[n] for n, x in export_hf_arrays(a_state.params, jnp.float32)}
-    c_delta = {n: np.asarray(x) - c0[n] for n, x in export_hf_arrays(c_state.params, jnp.float32)}
+    a_delta = {n: np.asarray(x) - a0[n] for n, x in export_hf_arrays(a_state.params, pdt)}
+    c_delta = {n: np.asarray(x) - c0[n] for n, x in export_hf_arrays(c_state.params, pdt)}
 
     # ---- plain torch
     tb = {k: torch.as_tensor(v, device=dev) for k, v in batch_np.items()}
@@ -369,7 +413,7 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     for key in ("actor_grads", "critic_grads"):  # peft's names -> jaxppo's
         T[key] = [{t_name(n): g for n, g in d.items()} for d in T[key]]
 
-    rows = _side_by_side(J, T, rmask, K, cfg, (a_delta, ta_delta, a0, [float(a_lr(i)) for i in range(K)]),
+    rows = _side_by_side(J, T, rmask, K, cfg, args.dtype, (a_delta, ta_delta, a0, [float(a_lr(i)) for i in range(K)]),
                          (c_delta, tc_delta, c0, [float(c_lr(i)) for i in range(K)]))
     report = {"subcommand": "ppo-step", "model": args.model, "dtype": args.dtype, "device": dev,
               "jax_backend": jax.default_backend(), "batch": B, "prompt_len": P, "response_len": R,
@@ -378,7 +422,9 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
               "actor_lora_rank": a_lora.rank, "critic_lora_rank": c_lora.rank,
               "valid_response_tokens": int(rmask.sum()), "rows": rows,
               "adam_eps": cfg.actor.optim.eps,
-              "max_rel_diff": max(r["rel_diff"] for r in rows if r.get("check", True))}
+              "max_rel_diff": max(r["rel_diff"] for r in rows if r["tolerance"] is not None),
+              "criterion": CRITERIA[args.dtype],
+              "failed": [r["quantity"] for r in rows if r["tolerance"] is not None and r["rel_diff"] > r["tolerance"]]}
     if args.time:
         report["timing"] = _time_phases(args, actor, critic, a_state, c_state, sharded, jax_batches, adv_fn, rewards,
                                         rmask, J, T, t_actor, t_critic, a_opt, c_opt, tb, torch_batches, t_rewards,
@@ -488,12 +534,16 @@ def _print_table(report: dict) -> None:
             continue
         print(f"{k:<{width}}  {v}")
     if "rows" in report:
-        print(f"\n{'quantity':<48} {'jax':>14} {'torch':>14} {'rel diff':>10}  relative to")
+        print(f"\n{'quantity':<48} {'jax':>14} {'torch':>14} {'rel diff':>10} {'tolerance':>10}  relative to")
         for r in report["rows"]:
-            note = (f"  (float64 AdamW on the two gradient sequences predicts {r['predicted']:.2e}; not in "
-                    "max_rel_diff)") if "predicted" in r else ""
-            print(f"{r['quantity']:<48} {r['jax']:>14.6g} {r['torch']:>14.6g} {r['rel_diff']:>10.2e}  "
-                  f"{r.get('relative_to', '')}{note}")
+            notes = [f"float64 AdamW on the two gradient sequences predicts {r['predicted']:.2e}"] \
+                if "predicted" in r else []
+            if r.get("storage_rounding"):
+                notes.append(f"float32 storage rounds {r['storage_rounding']:.2e}")
+            tol = "-" if r["tolerance"] is None else f"{r['tolerance']:.2e}"
+            flag = "  FAIL" if r["tolerance"] is not None and r["rel_diff"] > r["tolerance"] else ""
+            print(f"{r['quantity']:<48} {r['jax']:>14.6g} {r['torch']:>14.6g} {r['rel_diff']:>10.2e} {tol:>10}  "
+                  f"{r.get('relative_to', '')}" + (f"  ({'; '.join(notes)})" if notes else "") + flag)
     if "timing" in report:
         t = report["timing"]
         print(f"\n{'phase (median s)':<18} {'jax':>10} {'torch':>10} {'torch/jax':>10}")
@@ -510,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     lg = sub.add_parser("logits", help="forward-pass parity with transformers")
     lg.add_argument("--model", required=True, help="Hugging Face model directory")
-    lg.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    lg.add_argument("--dtype", choices=DTYPES, default="float32", help="float64: JAX in x64 mode, torch in double")
     lg.add_argument("--batch", type=int, default=4)
     lg.add_argument("--seq", type=int, default=32)
     lg.add_argument("--seed", type=int, default=0)
@@ -524,8 +574,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    "with a new value head, the same in both frameworks)")
     ps.add_argument("--ref", default=None, help="reference policy directory (default: the actor)")
     ps.add_argument("--config", default=None, help="jaxppo YAML config (default: built-in defaults)")
-    ps.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="compute dtype (fp32 master weights in both; bf16 = autocast in torch)")
+    ps.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="compute dtype (fp32 master weights in both; bf16 = autocast in torch; float64: JAX in "
+                         "x64 mode and torch in double, float64 master weights, every quantity within 1e-8). Exit "
+                         "1 when a quantity exceeds its tolerance (the report's `criterion`)")
     ps.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the torch side runs")
     ps.add_argument("--batch", type=int, default=8, help="sequences (prompts x rollout.n)")
     ps.add_argument("--prompt-len", type=int, default=16)
@@ -541,14 +593,19 @@ def main(argv: list[str] | None = None) -> int:
     if bad or (rest and args.cmd != "ppo-step"):
         parser.error(f"unrecognized arguments: {' '.join(bad or rest)}")
 
+    import contextlib
+
+    import jax
+
     from jaxppo.errors import JaxppoError
 
-    try:
-        if args.cmd == "logits":
-            report = logits_report(args.model, args.dtype, args.batch, args.seq, args.seed, args.device)
-        else:
-            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the accelerator
-            report = ppo_step_report(args, rest)
+    try:  # float64: JAX's x64 mode for this comparison only (the process's other work keeps its dtypes)
+        with jax.enable_x64(True) if args.dtype == "float64" else contextlib.nullcontext():
+            if args.cmd == "logits":
+                report = logits_report(args.model, args.dtype, args.batch, args.seq, args.seed, args.device)
+            else:
+                os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the accelerator
+                report = ppo_step_report(args, rest)
     except JaxppoError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -557,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "out", None):
         Path(args.out).write_text(line + "\n")
     print(line)
+    if report.get("failed"):
+        print(f"error: over the tolerance ({report['criterion']}): {', '.join(report['failed'])}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -104,7 +104,8 @@ def response_head(module: nn.Module, params: Any, batch: Batch, response_length:
     xs = (pick(hidden), targets) + (() if ref_hidden is None else (pick(ref_hidden),))
 
     def scaled_logits(p, h_c):
-        logits = module.apply({"params": p}, h_c, method="logits").astype(jnp.float32)
+        logits = module.apply({"params": p}, h_c, method="logits")
+        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # float64 in a float64 model
         return logits / temperature if temperature != 1.0 else logits
 
     def one(h_c, t_c, *ref_c):

@@ -106,9 +106,11 @@ def adapter_pairs(params: Params) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
 
 
 def _merged(w: jax.Array, a: jax.Array, b: jax.Array, scale: float, dtype: Any) -> jax.Array:
-    """W + scale B A in float32, cast to `dtype` (stacked layers: [L, out, in], [L, r, in], [L, out, r])."""
-    delta = jnp.einsum("...or,...ri->...oi", b.astype(jnp.float32), a.astype(jnp.float32))
-    return (w.astype(jnp.float32) + scale * delta).astype(dtype)
+    """W + scale B A in float32 (float64 adapters: float64), cast to `dtype` (stacked layers: [L, out, in],
+    [L, r, in], [L, out, r])."""
+    f = jnp.promote_types(a.dtype, jnp.float32)
+    delta = jnp.einsum("...or,...ri->...oi", b.astype(f), a.astype(f))
+    return (w.astype(f) + scale * delta).astype(dtype)
 
 
 merged_weight = jax.jit(_merged, static_argnums=(3, 4))

@@ -33,6 +33,12 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
+def wide(dtype: Any) -> Any:
+    """The dtype norms, rotary tables, adapters and outputs are computed in: float32, or float64 in a float64
+    model (`compare ppo-step --dtype float64`, under JAX's x64 mode)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _normal(std: float = 0.02) -> Callable:
     return nn.initializers.normal(stddev=std)
 
@@ -44,7 +50,8 @@ def positions_from_mask(attention_mask: Int[Array, "b t"]) -> Int[Array, "b t"]:
 
 class Linear(nn.Module):
     """y = x W^T (+ b) with W stored as [out, in] like torch.nn.Linear; with `lora_rank` > 0, plus
-    (alpha / r) (x A^T) B^T from float32 adapters `lora_A` [r, in] and `lora_B` [out, r] (PEFT's layout)."""
+    (alpha / r) (x A^T) B^T from float32 adapters `lora_A` [r, in] and `lora_B` [out, r] (PEFT's layout; float64
+    with float64 parameters)."""
 
     features: int
     axes: tuple[str, str]  # logical names of (out, in)
@@ -65,16 +72,17 @@ class Linear(nn.Module):
             y = y + b.astype(self.dtype)
         if self.lora_rank:
             a = self.param("lora_A", nn.with_logical_partitioning(kaiming_a, ("lora", self.axes[1])),
-                           (self.lora_rank, x.shape[-1]), jnp.float32)
+                           (self.lora_rank, x.shape[-1]), wide(self.param_dtype))
             bb = self.param("lora_B", nn.with_logical_partitioning(nn.initializers.zeros, (self.axes[0], "lora")),
-                            (self.features, self.lora_rank), jnp.float32)
+                            (self.features, self.lora_rank), wide(self.param_dtype))
             xa = jnp.einsum("...i,ri->...r", x.astype(self.dtype), a.astype(self.dtype))
             y = y + (self.lora_scale * jnp.einsum("...r,or->...o", xa, bb.astype(self.dtype))).astype(y.dtype)
         return y
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as transformers does, then cast back to the compute dtype."""
+    """RMSNorm computed in float32 (float64 in a float64 model), as transformers does, then cast back to the
+    compute dtype."""
 
     eps: float
     dtype: Any = jnp.float32
@@ -84,7 +92,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                        (x.shape[-1],), self.param_dtype)
-        xf = x.astype(jnp.float32)
+        xf = x.astype(wide(x.dtype))
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return w.astype(self.dtype) * xf.astype(self.dtype)
 
@@ -109,8 +117,9 @@ class Embed(nn.Module):
 
 
 def rope_tables(positions: Int[Array, "b t"], inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [b, t, head_dim] in float32 (transformers' non-interleaved layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    """cos/sin [b, t, head_dim] in `inv_freq`'s dtype (float32; float64 in a float64 model) (transformers'
+    non-interleaved layout)."""
+    freqs = positions.astype(inv_freq.dtype)[..., None] * inv_freq[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -175,6 +184,19 @@ def _lora(spec: LoraSpec, name: str) -> dict:
     return dict(lora_rank=spec.on(name), lora_scale=spec.scale)
 
 
+def float64_attention(q, k, v, mask: jax.Array, window: tuple[int, int] | None) -> jax.Array:
+    """Causal attention (GQA, `mask` [b, 1, t, t], an optional left window) with the softmax in float64:
+    jax.nn.dot_product_attention computes its softmax in float32 whatever the inputs (1e-7 off in a float64
+    model: `compare ppo-step --dtype float64`)."""
+    t, rep = q.shape[1], q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    allowed = (j <= i) & mask if window is None else (j <= i) & (i - j <= window[0]) & mask
+    probs = jax.nn.softmax(jnp.where(allowed, scores, jnp.finfo(q.dtype).min), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Any
@@ -210,8 +232,11 @@ class Attention(nn.Module):
         else:
             window = (self.window - 1, 0) if self.window is not None and self.window < t else None
             impl = "cudnn" if self.attention_impl == "cudnn_mask" else self.attention_impl
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window,
-                                               implementation=impl)
+            if q.dtype == jnp.float64:
+                out = float64_attention(q, k, v, mask, window)
+            else:
+                out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window,
+                                                   implementation=impl)
         out = out.reshape(b, t, c.num_attention_heads * c.head_dim)
         return Linear(c.hidden_size, ("embed", "heads"), c.o_bias, name="o_proj", **lin, **_lora(self.lora, "o_proj"))(out)
 
@@ -287,7 +312,7 @@ class Decoder(nn.Module):
         layout; otherwise through a [t, t] mask (XLA, or `"cudnn_mask"`: cuDNN with the mask as a bias, the
         former layout, kept to compare against)."""
         x = nn.with_logical_constraint(self.embed_tokens(input_ids), ("batch", "seq", "act_embed"))
-        cos, sin = rope_tables(positions, jnp.asarray(self.cfg.inv_freq(), jnp.float32))
+        cos, sin = rope_tables(positions, jnp.asarray(self.cfg.inv_freq(), wide(self.dtype)))
         if self.attention_impl == "cudnn":
             starts = segment_runs(segment_ids) if segment_starts is None else segment_starts
             mask = ragged_layout(starts, segment_ids.shape[-1])
@@ -349,9 +374,10 @@ class ValueModel(nn.Module):
         self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
                              self.attention_window, self.scan_unroll, self.lora)
         # under LoRA the head is trained in full while the base is frozen in the compute dtype: keep it float32
-        score_dtype = jnp.float32 if self.lora.rank else self.param_dtype
+        score_dtype = wide(self.param_dtype) if self.lora.rank else self.param_dtype
         self.score = Linear(1, ("score", "embed"), self.score_bias, dtype=self.dtype, param_dtype=score_dtype)
 
     def __call__(self, input_ids, positions, segment_ids, segment_starts=None) -> Float[Array, "b t"]:
         hidden = self.model(input_ids, positions, segment_ids, segment_starts)
-        return self.score(hidden)[..., 0].astype(jnp.float32)
+        out = self.score(hidden)[..., 0]
+        return out.astype(wide(out.dtype))

@@ -64,8 +64,9 @@ def full_kl(logits: Float[Array, "... v"], ref_logits: Float[Array, "... v"], ch
     """Exact KL(softmax(logits) || softmax(ref_logits)) per token, in float32, chunked over tokens."""
 
     def kl(a, b):
-        lp = jax.nn.log_softmax(a.astype(jnp.float32), axis=-1)
-        lq = jax.nn.log_softmax(b.astype(jnp.float32), axis=-1)
+        f = jnp.promote_types(a.dtype, jnp.float32)  # float64 logits stay float64
+        lp = jax.nn.log_softmax(a.astype(f), axis=-1)
+        lq = jax.nn.log_softmax(b.astype(f), axis=-1)
         return jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
 
     return _chunked_over_tokens(kl, logits, ref_logits, chunk_size)

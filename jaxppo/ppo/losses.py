@@ -68,7 +68,7 @@ def entropy_from_logits(logits: Float[Array, "... v"], chunk_size: int | None = 
     """Per-token entropy logsumexp(z) - sum softmax(z) z, in float32; optionally chunked over tokens."""
 
     def ent(z):
-        z = z.astype(jnp.float32)
+        z = z.astype(jnp.promote_types(z.dtype, jnp.float32))
         lse = jax.nn.logsumexp(z, axis=-1)
         return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
