@@ -154,9 +154,11 @@ MISMATCH_EVERY = 8
 def rollout_sampling(cfg: Config, seed: int | None, step: int) -> Sampling:
     """The training rollouts' sampling at `step`: rollout.n / temperature / top_p / top_k,
     data.max_response_length; the engine's log-probs always when something trains on them
-    (rollout.calculate_log_probs, actor.tis_threshold), else on every MISMATCH_EVERY-th step."""
+    (rollout.calculate_log_probs, actor.tis_threshold, rollout correction, bypass mode), else on every
+    MISMATCH_EVERY-th step."""
     r = cfg.rollout
-    always = r.calculate_log_probs or cfg.actor.tis_threshold is not None or rollout_corr.enabled(cfg)
+    always = r.calculate_log_probs or cfg.actor.tis_threshold is not None or rollout_corr.enabled(cfg) \
+        or rollout_corr.bypass(cfg)
     return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                     max_tokens=cfg.data.max_response_length, seed=seed,
                     logprobs=always or step % MISMATCH_EVERY == 0)
@@ -359,10 +361,17 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     rmask = batch["response_mask"]
     a_in, a_out = forward_input(ctx.actor, cfg.actor.use_dynamic_bsz, budgets.actor_forward, batch,
                                 "actor.log_prob_max_token_len_per_device")
-    with timer("old_log_prob"):
-        out = ctx.actor.logprobs(state.actor.params, a_in, truncation=ctx.truncation)
-        old_lp = a_out(out[0])
-        sampling_lp = a_out(out[2]) if ctx.truncation else old_lp
+    rollout_lp = ro.logprobs
+    if rollout_corr.bypass(cfg):  # verl's bypass mode: the policy that sampled is the old policy, not recomputed
+        if ro.logprobs is None or not np.isfinite(ro.logprobs[rmask > 0]).all():
+            raise RuntimeError("algorithm.rollout_correction.bypass_mode: the rollout engine returned no log-probs")
+        old_lp = sampling_lp = ro.logprobs.astype(np.float32)
+        rollout_lp = np.full_like(old_lp, np.nan)  # no trainer's log-probs: no gap to report (rollout/* metrics)
+    else:
+        with timer("old_log_prob"):
+            out = ctx.actor.logprobs(state.actor.params, a_in, truncation=ctx.truncation)
+            old_lp = a_out(out[0])
+            sampling_lp = a_out(out[2]) if ctx.truncation else old_lp
     ref_lp = None
     if state.ref_params is not None and needs_ref_logprobs(cfg):
         with timer("ref"):
@@ -397,7 +406,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
             batch["is_weights"] = weights.astype(np.float32)
         batch["response_mask"] = actor_mask.astype(rmask.dtype)
     local = {"scores": scores, "rewards": rewards.sum(-1), "adv": adv, "ret": ret, "sampling_lp": sampling_lp,
-             "rollout_lp": ro.logprobs, "rmask": rmask, "lengths": ro.lengths.astype(np.float64),
+             "rollout_lp": rollout_lp, "rmask": rmask, "lengths": ro.lengths.astype(np.float64),
              "prompt_lengths": p_mask.sum(-1)[ro.prompt_index].astype(np.float64),
              "reward_counts": np.array([float(reward_counts.get("errors", 0.0)), float(reward_counts.get("timeouts", 0.0)),
                                         float(np.sum(reward_counts.get("model_score", 0.0)))])}

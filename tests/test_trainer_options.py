@@ -16,7 +16,8 @@ from jaxppo import step as ppo_step
 from jaxppo.trainer import PPOTrainer
 from tests.helpers import make_hf_checkpoint
 from tests.test_operability import host, make_trainer, same
-from tests.train_helpers import read_metrics
+from jaxppo.config import load_config
+from tests.train_helpers import FAST, ROOT, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -246,3 +247,58 @@ def test_wandb_receives_the_resolved_config_in_val_only(tmp_path, monkeypatch):
     validate_only(cfg, make_engine_factory(cfg))
     config = calls["init"]["config"]
     assert config["actor"]["optim"]["lr"] == pytest.approx(0.00042) and config["trainer"]["val_only"] is True
+
+
+def test_bypass_mode_trains_on_the_engines_log_probs_without_recomputing_them(tmp_path, one_device, monkeypatch):
+    """verl's bypass mode (`algorithm.rollout_correction.bypass_mode`, the bypass_ppo_clip preset): the actor's
+    update gets the rollout engine's log-probs as the old policy's, and the trainer's forward pass for them never
+    runs (no reference here, so the actor's forward program is not called at all during the steps)."""
+    from bridge.engines.hf import HFEngine
+    from jaxppo.engine import ActorEngine
+    from jaxppo.train import make_engine_factory
+    from jaxppo.trainer import PPOTrainer
+
+    sampled, trained, forwards = [], [], []
+    generate, update, logprobs = HFEngine.generate, ActorEngine.update, ActorEngine.logprobs
+
+    def spy_generate(self, prompts, sampling):
+        ro = generate(self, prompts, sampling)
+        if sampling.logprobs:  # the training rollouts (validation asks for none)
+            sampled.append((ro.logprobs.copy(), ro.response_mask.copy()))
+        return ro
+
+    def spy_update(self, state, minibatch, *a, **kw):
+        trained.append(np.asarray(minibatch["old_logprobs"]))
+        return update(self, state, minibatch, *a, **kw)
+
+    monkeypatch.setattr(HFEngine, "generate", spy_generate)
+    monkeypatch.setattr(ActorEngine, "update", spy_update)
+    monkeypatch.setattr(ActorEngine, "logprobs", lambda *a, **kw: forwards.append(1) or logprobs(*a, **kw))
+    cfg = load_config(ROOT / "configs" / "default_grpo.yaml",
+                      [f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "trainer.sft_warmup_steps=0",
+                       "trainer.total_training_steps=2", "trainer.test_freq=-1", "actor.use_kl_loss=false",
+                       "actor.ppo_mini_batch_size=8", "algorithm.rollout_correction.bypass_mode=true"])
+    with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+        trainer.fit()
+    assert len(sampled) == 2 and len(trained) == 2 and not forwards
+    for (lp, mask), old in zip(sampled, trained):  # one mini-batch a step: the same rows, maybe reordered
+        valid = mask > 0
+        got = np.sort(np.asarray(old).reshape(-1)[np.asarray(old).reshape(-1) != 0])
+        assert np.allclose(np.sort(lp[valid].astype(np.float32)), got, atol=0, rtol=0)
+    metrics = read_metrics(tmp_path / "run")[2]
+    assert "timing_s/old_log_prob" not in metrics and "rollout/logprob_diff_mean" not in metrics
+    assert metrics["actor/ppo_kl"] != 0.0  # the ratio is against the policy that sampled, not the trainer's
+
+
+def test_bypass_mode_refuses_what_it_does_not_do(tmp_path, capsys):
+    from jaxppo.train import main
+
+    base = [f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "algorithm.rollout_correction.bypass_mode=true"]
+    for extra, says in ((["algorithm.rollout_correction.loss_type=reinforce"], "not built yet"),
+                        (["algorithm.rollout_correction.loss_type=pg"], "known: ['ppo_clip', 'reinforce']"),
+                        (["algorithm.rollout_correction.rollout_rs=token_k1",
+                          "algorithm.rollout_correction.rollout_rs_threshold=2.0"], "bypass_ppo_clip preset"),
+                        (["actor.policy_loss.loss_mode=gspo"], "set it to vanilla")):
+        assert main([*base, *extra]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

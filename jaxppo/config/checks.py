@@ -292,6 +292,22 @@ def _check_sampling_and_rewards(cfg: Config) -> None:
             corr.parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)
         _check(cfg.actor.tis_threshold is None, "actor.tis_threshold and algorithm.rollout_correction both weight the "
                "loss: use one (rollout_is=token with rollout_is_threshold is the same truncation)")
+    if rc.bypass_mode:
+        from jaxppo.ppo import rollout_correction as corr
+
+        _check(rc.loss_type in corr.BYPASS_LOSSES, f"algorithm.rollout_correction.loss_type {rc.loss_type!r} unknown; "
+               f"known: {list(corr.BYPASS_LOSSES)}")
+        _check(rc.loss_type == "ppo_clip", "algorithm.rollout_correction.loss_type=reinforce (bypass mode's policy "
+               "gradient with importance weights computed in the loss) is not built yet; loss_type=ppo_clip is")
+        _check(rc.rollout_is is None and rc.rollout_rs is None, "algorithm.rollout_correction.bypass_mode with "
+               "rollout_is / rollout_rs: verl computes those in the loss from the current policy, which jaxppo does "
+               "not do yet; set them to null (verl's bypass_ppo_clip preset) or bypass_mode=false (the decoupled "
+               "mode, which recomputes the old log-probs and corrects the gap)")
+        _check(cfg.actor.tis_threshold is None, "actor.tis_threshold with algorithm.rollout_correction.bypass_mode: "
+               "the old policy is the rollout's, so there is no gap left to weight; drop one")
+        _check(cfg.actor.policy_loss.loss_mode == "vanilla", "algorithm.rollout_correction.bypass_mode replaces the "
+               f"policy loss (verl: loss_mode=bypass_mode, PPO-clip for loss_type=ppo_clip); actor.policy_loss."
+               f"loss_mode={cfg.actor.policy_loss.loss_mode} would be ignored: set it to vanilla")
     pl = cfg.actor.policy_loss
     _check(pl.loss_mode != "dro" or pl.dro_beta is not None,
            "actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0")

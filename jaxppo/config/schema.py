@@ -180,6 +180,9 @@ class RolloutCorrectionConfig:
     # rejection: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3; None: none
     rollout_rs: Optional[str] = None
     rollout_rs_threshold: Optional[str] = None  # one per option or one for all (k1: "lower_upper" ratio bounds)
+    # the rollout engine's log-probs are the old policy's: no recomputation (verl's bypass_ppo_clip preset)
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"  # bypass mode's loss: ppo_clip (the PPO ratio against the rollout policy)
 
 
 @dataclass(frozen=True)

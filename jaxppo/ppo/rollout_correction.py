@@ -11,6 +11,11 @@ are dropped. On the host, in float64, once per step from the trainer's old log-p
                         `rollout_rs_threshold` (k1: "lower_upper" ratio bounds, else an upper bound); rejected
                         tokens leave the actor's loss mask
 
+  bypass_mode           the rollout engine's log-probs are the old policy's: the trainer skips recomputing them
+                        and the PPO ratio is taken against the policy that sampled (loss_type=ppo_clip; verl's
+                        bypass_ppo_clip preset). Without the trainer's log-probs there is no gap to measure:
+                        the `rollout/*` and `rollout_corr/*` metrics are not logged.
+
 Metrics under verl's names (`rollout_corr/...`); tests/ppo/test_verl_oracle.py checks weights, mask and every metric
 here against verl's functions.
 """
@@ -25,6 +30,7 @@ import numpy as np
 from jaxppo.errors import ConfigError
 
 SAFETY_BOUND = 20.0
+BYPASS_LOSSES = ("ppo_clip", "reinforce")  # verl's loss_type in bypass mode (reinforce: not built yet)
 IS_LEVELS = ("token", "sequence")
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -243,9 +249,15 @@ def rollout_correction(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray, r
 
 
 def enabled(cfg: Any) -> bool:
+    """Whether the decoupled correction runs (weights or rejection from the trainer's and the engine's log-probs)."""
     rc = cfg.algorithm.rollout_correction
     return rc.rollout_is is not None or rc.rollout_rs is not None
 
 
-__all__ = ["rollout_correction", "is_weights", "rejection_mask", "offpolicy_metrics", "enabled", "RS_OPTIONS",
-           "IS_LEVELS"]
+def bypass(cfg: Any) -> bool:
+    """verl's bypass mode: the engine's log-probs are the old policy's (no recomputation)."""
+    return bool(cfg.algorithm.rollout_correction.bypass_mode)
+
+
+__all__ = ["rollout_correction", "is_weights", "rejection_mask", "offpolicy_metrics", "enabled", "bypass",
+           "RS_OPTIONS", "IS_LEVELS", "BYPASS_LOSSES"]
