@@ -49,6 +49,25 @@ def subset_sizes(n: int) -> list[int]:
     return ks + [n]
 
 
+def _or_invalid(pred: Any) -> Any:
+    return "[INVALID]" if pred is None else pred
+
+
+def answer_codes(preds: Sequence) -> list[int]:
+    """One code per distinct answer, answers equal as Python compares them (verl counts votes in a dict: 1, 1.0
+    and True are one answer, "1" another); an unhashable answer (a list) by its repr."""
+    seen: dict = {}
+    out = []
+    for p in preds:
+        try:
+            key = ("value", p)
+            hash(key)
+        except TypeError:
+            key = ("repr", repr(p))
+        out.append(seen.setdefault(key, len(seen)))
+    return out
+
+
 def bootstrap(values: np.ndarray, preds: Sequence | None, k: int, seed: int = SEED,
               n_bootstrap: int = N_BOOTSTRAP) -> dict[str, float]:
     """verl's `bootstrap_metric` for one prompt's responses: `n_bootstrap` draws of k of them with replacement
@@ -62,7 +81,7 @@ def bootstrap(values: np.ndarray, preds: Sequence | None, k: int, seed: int = SE
     out = {f"best@{k}/mean": best.mean(), f"best@{k}/std": best.std(),
            f"worst@{k}/mean": worst.mean(), f"worst@{k}/std": worst.std()}
     if preds is not None:
-        codes = np.unique(np.array([repr(p) for p in preds]), return_inverse=True)[1].reshape(-1)
+        codes = np.array(answer_codes(preds))
         votes = codes[idx][:, :, None] == np.arange(codes.max() + 1)  # [draws, k, answers]
         counts = votes.sum(1)
         first = np.where(votes.any(1), votes.argmax(1), k)  # where each answer is first drawn
@@ -76,7 +95,9 @@ def process_validation_metrics(data_sources: Sequence[str], uids: Sequence, info
                                seed: int = SEED) -> dict[str, dict[str, dict[str, float]]]:
     """verl's `process_validation_metrics`: per data source, variable and metric, the mean over prompts (`uids`)
     of each prompt's mean@n, std@n and bootstrapped best / worst / maj@k. `infos` holds one value per response
-    for each variable; string variables are not summarised, and `pred` (answers) is used for voting."""
+    for each variable, None where a response has none (left out, as verl does); a variable whose first value is a
+    string is not summarised (a numeric `pred` is, as in verl), and `pred` (answers) is used for voting where
+    every response of the prompt has one."""
     groups: dict[str, dict[Any, list[int]]] = defaultdict(lambda: defaultdict(list))
     for i, (src, uid) in enumerate(zip(data_sources, uids)):
         groups[src][uid].append(i)
@@ -85,17 +106,19 @@ def process_validation_metrics(data_sources: Sequence[str], uids: Sequence, info
     for src, by_uid in groups.items():
         per_var: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for rows in by_uid.values():
+            votes = None if preds is None else [preds[i] for i in rows]
             for var, vals in infos.items():
-                vals = [vals[i] for i in rows]
-                if var == "pred" or any(isinstance(v, str) or v is None for v in vals):
+                vals = [vals[i] for i in rows if vals[i] is not None]
+                if not vals or isinstance(vals[0], str):
                     continue
+                has_votes = votes is not None and len(votes) == len(vals) and all(p is not None for p in votes)
                 vals = np.asarray(vals, np.float64)
                 n = len(vals)
                 m = {f"mean@{n}": float(vals.mean())}
                 if n > 1:
                     m[f"std@{n}"] = float(vals.std())
                     for k in subset_sizes(n):
-                        m.update(bootstrap(vals, None if preds is None else [preds[i] for i in rows], k, seed))
+                        m.update(bootstrap(vals, votes if has_votes else None, k, seed))
                 for key, v in m.items():
                     per_var[var][key].append(v)
         out[src] = {var: {key: float(np.mean(v)) for key, v in ms.items()} for var, ms in per_var.items()}
@@ -152,7 +175,10 @@ def validate(ctx: Any, actor_params: Any) -> dict[str, float]:
             res = score_batch(sources, texts, [ds.ground_truth[i] for i in src], [ds.extra_info[i] for i in src],
                               num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                               reward_fn=ctx.reward_fn, default_rule=cfg.reward.default_rule)
-            preds = res.preds or [get_answer_extractor(s, cfg.reward.default_rule)(t) for s, t in zip(sources, texts)]
+            # the built-in rules' answers; a response without one votes as "[INVALID]" (verl's math_dapo rule's
+            # answer then), so every prompt has its majority vote (verl drops it where an answer is missing)
+            preds = res.preds or [_or_invalid(get_answer_extractor(s, cfg.reward.default_rule)(t))
+                                  for s, t in zip(sources, texts)]
             for j, row in enumerate(src):
                 rec = {"row": int(row), "source": sources[j], "reward": float(res.scores[j]), "pred": preds[j]}
                 extras = {k: float(v[j]) for k, v in res.extras.items() if np.isfinite(v[j])}

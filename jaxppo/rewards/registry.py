@@ -120,7 +120,7 @@ def _score_one(fn: RewardFn, data_source: str, solution: str, ground_truth: str,
                timeout_s: float = 0.0) -> tuple[float, str | None, dict[str, float]]:
     """(score, None, extras) or (0.0, why, {}): a failure of the user's reward code scores 0, never crashes the
     run. A dict result gives the score under `score` and its other numeric entries as extras."""
-    extras: dict[str, float] = {}
+    extras: dict[str, Any] = {}  # numeric extras, and `pred`
     try:
         with _time_limit(timeout_s):
             if getattr(fn, "takes_data_source", False):
@@ -132,8 +132,10 @@ def _score_one(fn: RewardFn, data_source: str, solution: str, ground_truth: str,
                 return 0.0, f"returned a dict without a 'score' key (keys {sorted(out)[:8]})", {}
             extras = {str(k): float(v) for k, v in out.items()
                       if k not in ("score", "pred") and isinstance(v, (int, float, bool))}
-            if out.get("pred") is not None:  # the answer it extracted, for majority voting (verl's key)
-                extras["pred"] = str(out["pred"])
+            pred = out.get("pred")
+            if pred is not None:  # the answer it extracted, for majority voting (verl's key): a number stays a
+                # number (1 and 1.0 are one vote, as in verl), anything but a scalar votes by its text
+                extras["pred"] = pred if isinstance(pred, (str, int, float, bool)) else str(pred)
             out = out["score"]
         value = float(out)
     except _Timeout:

@@ -355,3 +355,28 @@ def test_an_unknown_rejection_option_exits_2_listing_the_known_ones(tmp_path, ca
                "algorithm.rollout_correction.rollout_rs_threshold=2.0"])
     err = capsys.readouterr().err
     assert rc == 2 and "token_k4" in err and "seq_mean_k1" in err, err
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_validation_metrics_with_numeric_answers_equal_verls(seed):
+    """verl's own `process_validation_metrics` on answers given as numbers: 1, 1.0 and True are one answer in its
+    vote (a dict's keys); best / worst / maj@k from the same bootstrap draws (a numeric `pred` is also summarised
+    as a variable, in both)."""
+    from verl.trainer.ppo.metric_utils import process_validation_metrics as verls
+
+    from jaxppo.validation import process_validation_metrics
+
+    rng = np.random.default_rng(seed)
+    n, prompts = 6, 5
+    answers = [1, 1.0, True, 2, 2.0, 3]
+    preds = [answers[i] for i in rng.integers(0, len(answers), n * prompts)]
+    scores = [float(p == 1) + 0.1 * float(rng.integers(0, 3)) for p in preds]
+    sources = ["a"] * (n * 3) + ["b"] * (n * 2)
+    uids = [f"u{i // n}" for i in range(n * prompts)]
+    infos = {"score": scores, "pred": preds}
+    ours, ref = process_validation_metrics(sources, uids, infos), verls(sources, uids, infos)
+    assert set(ours) == set(ref)
+    for src in ref:
+        for var in ref[src]:
+            for name, value in ref[src][var].items():
+                assert ours[src][var][name] == pytest.approx(value, abs=1e-12), (src, var, name)
