@@ -114,11 +114,11 @@ def check_reward_sources(cfg: Config, datasets) -> None:
     "openai/gsm8k" would otherwise score every response with another rule)."""
     if cfg.custom_reward_function.path or cfg.reward.default_rule:
         return
-    from jaxppo.rewards.registry import REWARD_FUNCTIONS
+    from jaxppo.rewards.registry import PREFIXES, REWARD_FUNCTIONS, rule_for
 
-    known = [k for k in REWARD_FUNCTIONS.names() if k != "default"]
+    known = [k for k in REWARD_FUNCTIONS.names() if k != "default"] + [f"{p}*" for p in PREFIXES]
     for ds in datasets:
-        unknown = sorted({s for s in ds.data_source} - set(known))
+        unknown = sorted({s for s in ds.data_source if rule_for(s) is None})
         if unknown:
             raise DataError(f"{', '.join(ds.files)}: no reward rule for data_source {unknown}; known: {known}. Set "
                             "reward.default_rule to one of them, or custom_reward_function.path to your own")

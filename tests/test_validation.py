@@ -99,7 +99,7 @@ def test_a_user_functions_pred_is_the_vote_and_the_rules_extract_answers():
     assert res.preds == ["X", "Y"] and set(res.extras) == {"acc"}
     gsm = get_answer_extractor("openai/gsm8k")
     assert gsm("so #### 1,200.") == gsm("#### 1200") == "1200" and gsm("no answer") is None
-    boxed = get_answer_extractor("math")
+    boxed = get_answer_extractor("lighteval/MATH")
     assert boxed(r"\boxed{\frac{1}{2}}") == boxed(r"\boxed{ 1/2 }") == "1/2" and boxed(r"\boxed{x + 1}") == "x+1"
 
 

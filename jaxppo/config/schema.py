@@ -224,7 +224,8 @@ class RewardConfig:
     # worker processes scoring rewards, each sample under its own time limit there (a stuck or dying worker is
     # replaced); -1: min(4, CPUs); 0: in the trainer's process, where os._exit or a loop in C cannot be stopped
     num_workers: int = -1
-    # the rule scoring data sources that no rule is registered for (e.g. "math", "openai/gsm8k"); None: such a
+    # the rule scoring data sources that no rule is registered for (e.g. "lighteval/MATH": \boxed{} math,
+    # "math_dapo": DAPO's "Answer:" rule, "openai/gsm8k"); None: such a
     # source is an error at dataset load unless custom_reward_function is set
     default_rule: Optional[str] = None
     timeout_s: float = 30.0  # per sample: past it the sample scores 0, counted in reward/errors (0: no limit)

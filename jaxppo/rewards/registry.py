@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxppo.registry import Registry
-from jaxppo.rewards import gsm8k, math, workers
+from jaxppo.rewards import gsm8k, math, math_dapo, workers
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[[str, str, dict], float]
@@ -40,17 +40,33 @@ def _gsm8k(solution_str: str, ground_truth: str, extra_info: dict) -> float:
     return gsm8k.compute_score(solution_str, ground_truth)
 
 
-@REWARD_FUNCTIONS.register("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math", DEFAULT)
+@REWARD_FUNCTIONS.register("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", DEFAULT)
 def _math(solution_str: str, ground_truth: str, extra_info: dict) -> float:
     return math.compute_score(solution_str, ground_truth)
 
 
-def get_reward_fn(data_source: str, default_rule: str | None = None) -> RewardFn:
-    """The function registered for `data_source`, else `default_rule`'s, else the default (\\boxed{} math). Runs
-    check at dataset load that every source is covered (`jaxppo.setup.check_reward_sources`)."""
+# verl's routing: these sources, and every source starting with "aime", to DAPO's "Answer:" rule (+1 / -1)
+MATH_DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
+PREFIXES = {"aime": "math_dapo"}
+
+
+@REWARD_FUNCTIONS.register(*MATH_DAPO_SOURCES)
+def _math_dapo(solution_str: str, ground_truth: str, extra_info: dict) -> dict:
+    return math_dapo.compute_score(solution_str, ground_truth)
+
+
+def rule_for(data_source: str) -> str | None:
+    """The registered name that scores `data_source` (itself, or its prefix's rule), None when none does."""
     if data_source in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS.get(data_source)
-    return REWARD_FUNCTIONS.get(default_rule or DEFAULT)
+        return data_source
+    return next((rule for prefix, rule in PREFIXES.items() if data_source.startswith(prefix)), None)
+
+
+def get_reward_fn(data_source: str, default_rule: str | None = None) -> RewardFn:
+    """The function registered for `data_source` (or its prefix: `aime*`), else `default_rule`'s, else the
+    default (\\boxed{} math). Runs check at dataset load that every source is covered
+    (`jaxppo.setup.check_reward_sources`)."""
+    return REWARD_FUNCTIONS.get(rule_for(data_source) or default_rule or DEFAULT)
 
 
 # the answer a response gives, for majority voting in validation (`maj@n`): one extractor per reward rule,
@@ -70,17 +86,20 @@ def _gsm8k_answer(solution_str: str) -> str | None:
     return _canonical(gsm8k.extract_solution(solution_str, "strict"))
 
 
-@ANSWER_EXTRACTORS.register("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math", DEFAULT)
+@ANSWER_EXTRACTORS.register("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", DEFAULT)
 def _math_answer(solution_str: str) -> str | None:
     return _canonical(math.last_boxed(solution_str))
+
+
+@ANSWER_EXTRACTORS.register(*MATH_DAPO_SOURCES)
+def _math_dapo_answer(solution_str: str) -> str | None:
+    return math_dapo.judge(solution_str, "")[1]
 
 
 def get_answer_extractor(data_source: str, default_rule: str | None = None) -> Callable[[str], "str | None"]:
     """The extractor of the rule that scores `data_source` (`default_rule`'s, or the default's, for unregistered
     sources)."""
-    if data_source in ANSWER_EXTRACTORS:
-        return ANSWER_EXTRACTORS.get(data_source)
-    return ANSWER_EXTRACTORS.get(default_rule or DEFAULT)
+    return ANSWER_EXTRACTORS.get(rule_for(data_source) or default_rule or DEFAULT)
 
 
 @dataclasses.dataclass

@@ -380,3 +380,34 @@ def test_validation_metrics_with_numeric_answers_equal_verls(seed):
         for var in ref[src]:
             for name, value in ref[src][var].items():
                 assert ours[src][var][name] == pytest.approx(value, abs=1e-12), (src, var, name)
+
+
+# responses for DAPO's math rule: "Answer:" lines (case, spacing, units, TeX shorthand, thousands separators,
+# equations), the \boxed{} fallback (exact, within the last 100 characters), neither, and answers past 300 characters
+DAPO_CASES = [
+    ("so the total is 12.\nAnswer: 12", "12"), ("answer : $1,234$ dollars", "1234"), ("ANSWER: x = \\frac12", "\\frac{1}{2}"),
+    ("Answer: \\sqrt2 units", "\\sqrt{2}"), ("Answer: 5 degrees\nAnswer: 7", "7"), ("Answer: 5 degrees\nAnswer: 7", "5"),
+    ("Answer: \\text{(B)}", "(B)"), ("Answer: 3^\\circ", "3"), ("the result is \\boxed{42}", "42"),
+    ("the result is \\boxed{42}", "42.0"), ("\\boxed{\\frac{1}{2}} and more text", "\\frac{1}{2}"),
+    ("no final answer at all", "3"), ("", "[INVALID]"), ("Answer: " + "9" * 5 + "\n" + "x" * 400, "99999"),
+    ("x" * 400 + "Answer: 10 meters", "10"), ("Answer: an integer 4", "4"), ("Answer: $\\boxed{16}$.", "16"),
+    ("Answer: 2,5", "2,5"), ("Answer: \\overline{AB}", "AB"), ("\\boxed{7}" + "y" * 120, "7"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(DAPO_CASES)))
+def test_dapos_math_rule_equals_verls(case):
+    """jaxppo's port of DAPO's "Answer:" rule against verl's `math_dapo.compute_score`: score, acc and pred; and
+    the routing of verl's default_compute_score (math_dapo, math, aime*) reaches it."""
+    from verl.utils.reward_score import math_dapo as verls
+
+    from jaxppo.rewards.math_dapo import compute_score
+    from jaxppo.rewards.registry import get_answer_extractor, get_reward_fn
+
+    response, truth = DAPO_CASES[case]
+    ref = verls.compute_score(response, truth)
+    ours = compute_score(response, truth)
+    assert (ours["score"], bool(ours["acc"]), ours["pred"]) == (ref["score"], bool(ref["acc"]), ref["pred"])
+    for source in ("math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime25"):
+        assert get_reward_fn(source)(response, truth, {}) == ours
+        assert get_answer_extractor(source)(response) == ref["pred"]

@@ -79,6 +79,6 @@ def test_boxed_math_under_the_reward_time_limit():
     from jaxppo.rewards import score_batch
     from tests.rewards import flaky_rewards  # noqa: F401  (registers test/hangs)
 
-    res = score_batch(["math", "test/hangs", "math"], ["\\boxed{\\frac{1}{2}}", "", "\\boxed{(1,2]}"],
+    res = score_batch(["lighteval/MATH", "test/hangs", "lighteval/MATH"], ["\\boxed{\\frac{1}{2}}", "", "\\boxed{(1,2]}"],
                       ["0.5", "", "(1, 2]"], timeout_s=0.5)
     assert res.scores.tolist() == [1.0, 0.0, 1.0] and res.num_timeouts == 1
