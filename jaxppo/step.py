@@ -219,12 +219,12 @@ def score(ctx: StepContext, ds: Any, rows: np.ndarray, rollouts: Rollouts,
 
 
 def advantages(ctx: StepContext, state: PPOState, token_scores: np.ndarray, old_lp: np.ndarray, ref_lp, values,
-               rmask: np.ndarray, group_ids: np.ndarray) -> tuple[PPOState, np.ndarray, np.ndarray, np.ndarray,
-                                                                 dict[str, float]]:
+               rmask: np.ndarray, group_ids: np.ndarray, baselines: np.ndarray | None = None
+               ) -> tuple[PPOState, np.ndarray, np.ndarray, np.ndarray, dict[str, float]]:
     """Token rewards (with the KL penalty when it is in the reward), advantages and returns of this process's
     rows; batch statistics (whitening, group baselines, the KL controller's current KL and sample count) are
     over every process's rows. Returns (state with the controller's new coefficient, rewards, advantages,
-    returns, metrics)."""
+    returns, metrics). `baselines`: ReMax's greedy responses' rewards, per sequence."""
     alg = ctx.cfg.algorithm
     metrics = {}
     rewards = token_scores
@@ -239,8 +239,9 @@ def advantages(ctx: StepContext, state: PPOState, token_scores: np.ndarray, old_
                                                current_kl, n_global))
     g = ctx.actor.shard_batch({"r": np.asarray(rewards, np.float32), "m": np.asarray(rmask, np.float32),
                                "g": np.asarray(group_ids, np.int32),
-                               **({} if values is None else {"v": np.asarray(values, np.float32)})})
-    adv, ret = _advantage_fn(ctx)(g["r"], g["m"], g.get("v"), g["g"])
+                               **({} if values is None else {"v": np.asarray(values, np.float32)}),
+                               **({} if baselines is None else {"b": np.asarray(baselines, np.float32)})})
+    adv, ret = _advantage_fn(ctx)(g["r"], g["m"], g.get("v"), g["g"], g.get("b"))
     return (dataclasses.replace(state, kl_coef=kl_coef), np.asarray(rewards), dist.local_rows(adv),
             dist.local_rows(ret), metrics)
 
@@ -253,9 +254,9 @@ def _advantage_fn(ctx: StepContext) -> Callable:
     key = id(ctx)
     if key not in _ADV_FNS:
         alg = ctx.cfg.algorithm
-        _ADV_FNS[key] = jax.jit(lambda r, m, v, g: ppo.compute_advantages(
+        _ADV_FNS[key] = jax.jit(lambda r, m, v, g, b: ppo.compute_advantages(
             alg.adv_estimator, r, m, values=v, group_ids=g, gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo))
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, reward_baselines=b))
     return _ADV_FNS[key]
 
 
@@ -267,6 +268,26 @@ def forward_input(engine, dynamic: bool, budget: int, batch: dict[str, np.ndarra
                          budget, what)
     n = batch["input_ids"].shape[0]
     return engine.shard_packed(packed), lambda x: packed.unpack(dist.local_rows(x, axis=1), n)
+
+
+def greedy_baselines(ctx: StepContext, rows: np.ndarray, prompts: list[np.ndarray], step: int, timer: Timer
+                     ) -> np.ndarray:
+    """ReMax: one greedy response per prompt (verl generates it beside the sampled ones), scored as the samples
+    are (the overlong penalty included); its reward per prompt."""
+    cfg = ctx.cfg
+    greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed + step,
+                      logprobs=False)
+    with timer("gen_max"):
+        ro = ctx.engine.generate([p.tolist() for p in prompts], greedy)
+    p_ids, p_mask = left_pad(prompts, ctx.tokenizer.pad_token_id, ctx.P)
+    with timer("reward"):
+        scores, _ = score(ctx, ctx.train_ds, rows, ro, train_sequences(p_ids, p_mask, ro))
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:
+        scores = scores + overlong_penalty(ro.lengths, ctx.R, ob.len, ob.penalty_factor)
+    out = np.zeros(len(prompts), np.float32)
+    out[ro.prompt_index] = scores
+    return out
 
 
 def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer: Timer,
@@ -306,6 +327,8 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
                     penalty = overlong_penalty(ro.lengths, ctx.R, ob.len, ob.penalty_factor)
                     counts.update({"extra/overlong_reward": penalty, "extra/overlong": (penalty < 0).astype(np.float64)})
                     scores = (scores + penalty).astype(np.float32)
+            if cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: each prompt's greedy response's reward
+                counts["reward_baseline"] = greedy_baselines(ctx, mine, prompts, step, timer)[ro.prompt_index]
             got = Sampled(mine, prompts, ro, scores, counts)
             rounds += 1
             if not fg.enable:
@@ -386,7 +409,8 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     with timer("adv"):
         token_scores = np.asarray(ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask)))
         state, rewards, adv, ret, kl_metrics = advantages(ctx, state, token_scores, old_lp, ref_lp, values, rmask,
-                                                          ro.prompt_index + mine.start)
+                                                          ro.prompt_index + mine.start,
+                                                          reward_counts.get("reward_baseline"))
     batch.update(old_logprobs=old_lp, advantages=adv)
     if ref_lp is not None:
         batch["ref_logprobs"] = ref_lp

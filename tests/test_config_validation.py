@@ -45,7 +45,7 @@ RELATIONS = [
     (["rollout.top_k=0"], "rollout.top_k"),
     (["algorithm.adv_estimator=grpo", "rollout.n=1"], "rollout.n >= 2"),
     (["algorithm.adv_estimator=grpo_passk", "rollout.n=1"], "rollout.n >= 2"),
-    (["algorithm.adv_estimator=remax"], "'remax' unknown; known: ['gae', 'gpg', 'grpo', 'grpo_passk', 'opo'"),
+    (["algorithm.adv_estimator=remix"], "'remix' unknown; known: ['gae', 'gpg', 'grpo', 'grpo_passk', 'opo'"),
     (["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_device=16"], "smaller than one sequence"),
     (["rollout.gpu_memory_utilization=0.97"], "rollout.gpu_memory_utilization"),
     (["reward.timeout_s=-1"], "reward.timeout_s"),

@@ -302,3 +302,37 @@ def test_bypass_mode_refuses_what_it_does_not_do(tmp_path, capsys):
         assert main([*base, *extra]) == 2
         assert says in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_remax_trains_against_each_prompts_greedy_reward(tmp_path, one_device, monkeypatch):
+    """ReMax (`algorithm.adv_estimator=remax`): each step also generates one greedy response per prompt
+    (`timing_s/gen_max`), scores it as the samples are, and each sample's advantage is its return-to-go minus
+    its prompt's greedy reward."""
+    from jaxppo.train import make_engine_factory
+
+    seen = []
+    advantages, greedy = ppo_step.advantages, ppo_step.greedy_baselines
+
+    def spy_advantages(ctx, state, token_scores, old_lp, ref_lp, values, rmask, group_ids, baselines=None):
+        out = advantages(ctx, state, token_scores, old_lp, ref_lp, values, rmask, group_ids, baselines)
+        seen.append((np.asarray(token_scores), np.asarray(rmask), np.asarray(group_ids), baselines, out[2]))
+        return out
+
+    greedy_out = []
+    monkeypatch.setattr(ppo_step, "advantages", spy_advantages)
+    monkeypatch.setattr(ppo_step, "greedy_baselines",
+                        lambda *a, **kw: greedy_out.append(greedy(*a, **kw)) or greedy_out[-1])
+    cfg = load_config(ROOT / "configs" / "default_grpo.yaml",
+                      [f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "trainer.sft_warmup_steps=0",
+                       "trainer.total_training_steps=2", "trainer.test_freq=-1", "algorithm.adv_estimator=remax",
+                       "rollout.n=2"])
+    with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+        trainer.fit()
+    assert len(seen) == 2 and len(greedy_out) == 2
+    for (scores, mask, groups, base, adv), per_prompt in zip(seen, greedy_out):
+        assert base is not None and len(per_prompt) == cfg.data.train_batch_size
+        np.testing.assert_array_equal(base, per_prompt[groups])  # each sample gets its own prompt's greedy reward
+        returns = np.flip(np.cumsum(np.flip(scores * mask, -1), -1), -1)
+        np.testing.assert_allclose(adv, returns - base[:, None] * mask, atol=1e-6)
+    metrics = read_metrics(tmp_path / "run")
+    assert all("timing_s/gen_max" in metrics[s] for s in (1, 2))

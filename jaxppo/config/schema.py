@@ -187,7 +187,7 @@ class RolloutCorrectionConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    adv_estimator: str = "gae"  # gae | grpo | grpo_passk | rloo | opo | gpg | reinforce_plus_plus(_baseline)
+    adv_estimator: str = "gae"  # gae | grpo | grpo_passk | rloo | opo | gpg | reinforce_plus_plus(_baseline) | remax
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
     norm_adv_by_std_in_grpo: bool = True  # False: Dr.GRPO

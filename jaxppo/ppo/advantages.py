@@ -112,6 +112,15 @@ def reinforce_plus_plus_estimator(token_level_rewards, response_mask, *, gamma=1
     return masked_whiten(returns, mask), returns
 
 
+@ADVANTAGE_ESTIMATORS.register("remax")
+def remax_estimator(token_level_rewards, response_mask, *, reward_baselines, **_):
+    """ReMax (arXiv:2310.10505): the return-to-go minus the reward of the prompt's greedy response
+    (`reward_baselines`, per sequence: the trainer generates and scores one greedy response per prompt)."""
+    mask = response_mask.astype(token_level_rewards.dtype)
+    returns = jnp.flip(jnp.cumsum(jnp.flip(token_level_rewards * mask, -1), -1), -1)
+    return returns - reward_baselines[:, None] * mask, returns
+
+
 def _outcome(token_level_rewards, response_mask):
     mask = response_mask.astype(token_level_rewards.dtype)
     return mask, masked_sum(token_level_rewards, mask, axis=-1)

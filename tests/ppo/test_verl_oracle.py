@@ -79,6 +79,21 @@ def test_outcome_estimators_equal_verls(name, norm):
         close(got, want, f"{name} advantages, seed {seed}")
         close(got_ret, want_ret, f"{name} returns, seed {seed}")
 
+@pytest.mark.parametrize("holes", [False, True])
+def test_remax_equals_verls(holes):
+    """ReMax: the return-to-go minus the greedy response's reward (per sequence), masked spans included."""
+    for seed in SEEDS:
+        rng, mask, rewards, _ = batch(seed, holes=holes)
+        rewards = rewards + rng.normal(size=rewards.shape) * mask * 0.1  # rewards on every token, not only the last
+        base = rng.normal(size=mask.shape[0])
+        want, want_ret = core.get_adv_estimator_fn("remax")(token_level_rewards=t64(rewards), response_mask=t64(mask),
+                                                            reward_baselines=t64(base))
+        got, got_ret = ppo.compute_advantages("remax", jnp.asarray(rewards), jnp.asarray(mask),
+                                              reward_baselines=jnp.asarray(base))
+        close(got, want, f"remax advantages, seed {seed}")
+        close(got_ret, want_ret, f"remax returns, seed {seed}")
+
+
 
 @pytest.mark.parametrize("holes", [False, True])
 def test_gae_and_reinforce_plus_plus_equal_verls(holes):
