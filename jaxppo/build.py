@@ -117,6 +117,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
                         trainable=is_adapter if actor_lora.rank else None)
     # the health guards are part of the compiled update (jaxppo/health.py): set before the plan compiles it
     actor.guards = update_guards(cfg.trainer.health, "actor")
+    # verl's bypass mode: the policy loss corrects the rollout's gap itself (jaxppo/ppo/bypass.py)
+    actor.bypass = cfg.algorithm.rollout_correction if cfg.algorithm.rollout_correction.bypass_mode else None
     actor_state, actor_frozen = actor.abstract_state(abstract_of(module, mesh))
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:

@@ -30,6 +30,7 @@ from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticCo
 from jaxppo.accumulate import _without, minibatch_gradients, optimizer_step
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
+from jaxppo.ppo.bypass import bypass_policy_loss
 from jaxppo.ppo.policy_losses import compute_policy_loss
 from jaxppo.programs import Memory, Program
 from jaxppo.sharding import activation_rules
@@ -363,6 +364,7 @@ class ActorEngine(_Base):
                  trainable: Callable | None = None):
         self.cfg = cfg
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: plain log-probs
+        self.bypass = None  # algorithm.rollout_correction in verl's bypass mode: the loss of jaxppo/ppo/bypass.py
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
                          cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype, trainable)
 
@@ -420,9 +422,14 @@ class ActorEngine(_Base):
         ref_full = self.full(ref, frozen) if (self.full_kl and ref is not None) else None
         out = self._head(self.full(params, frozen), mb, ref_params=ref_full)
         logprob, entropy = out["logprobs"], out["entropy"]
-        pg_loss, metrics = compute_policy_loss(c.policy_loss.loss_mode, mb["old_logprobs"], logprob, mb["advantages"],
-                                               mask, c, c.loss_agg_mode, is_weights=mb.get("is_weights"),
-                                               segment=mb.get("slot_segment"), **norm)
+        if self.bypass is not None:  # old_logprobs are the rollout's; the correction is computed here
+            pg_loss, metrics = bypass_policy_loss(self.bypass, mb["old_logprobs"], logprob, mb["advantages"], mask, c,
+                                                  c.loss_agg_mode, segment=mb.get("slot_segment"), **norm)
+        else:
+            pg_loss, metrics = compute_policy_loss(c.policy_loss.loss_mode, mb["old_logprobs"], logprob,
+                                                   mb["advantages"], mask, c, c.loss_agg_mode,
+                                                   is_weights=mb.get("is_weights"), segment=mb.get("slot_segment"),
+                                                   **norm)
         if c.entropy_coeff == 0:
             entropy = jax.lax.stop_gradient(entropy)
         entropy_loss = ppo.agg_loss(entropy, mask, c.loss_agg_mode, **norm)

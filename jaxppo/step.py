@@ -423,7 +423,9 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
         cbatch = {k: batch[k] for k in ("input_ids", "attention_mask", "positions", "response_mask")}
         cbatch.update(values=values, returns=ret)
     rc_metrics = {}
-    if rollout_corr.enabled(cfg):  # verl's rollout correction: weights, rejected tokens out of the actor's loss mask
+    if rollout_corr.enabled(cfg) and not rollout_corr.bypass(cfg):
+        # verl's rollout correction (decoupled): weights, rejected tokens out of the actor's loss mask; in bypass
+        # mode the loss computes them from the current policy (jaxppo/ppo/bypass.py)
         weights, actor_mask, rc_metrics = rollout_corr.rollout_correction(old_lp, ro.logprobs, rmask,
                                                                           cfg.algorithm.rollout_correction)
         if weights is not None:
@@ -462,7 +464,8 @@ def update_keys(cfg: Config, has_ref: bool) -> tuple[tuple[str, ...], tuple[str,
     actor = ["old_logprobs", "advantages"]
     if has_ref and needs_ref_logprobs(cfg):
         actor.append("ref_logprobs")
-    if cfg.actor.tis_threshold is not None or cfg.algorithm.rollout_correction.rollout_is is not None:
+    rc = cfg.algorithm.rollout_correction
+    if cfg.actor.tis_threshold is not None or (rc.rollout_is is not None and not rc.bypass_mode):
         actor.append("is_weights")
     return tuple(actor), ("values", "returns")
 

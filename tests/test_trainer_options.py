@@ -249,10 +249,17 @@ def test_wandb_receives_the_resolved_config_in_val_only(tmp_path, monkeypatch):
     assert config["actor"]["optim"]["lr"] == pytest.approx(0.00042) and config["trainer"]["val_only"] is True
 
 
-def test_bypass_mode_trains_on_the_engines_log_probs_without_recomputing_them(tmp_path, one_device, monkeypatch):
-    """verl's bypass mode (`algorithm.rollout_correction.bypass_mode`, the bypass_ppo_clip preset): the actor's
-    update gets the rollout engine's log-probs as the old policy's, and the trainer's forward pass for them never
-    runs (no reference here, so the actor's forward program is not called at all during the steps)."""
+@pytest.mark.parametrize("extra", [[], ["algorithm.rollout_correction.loss_type=reinforce",
+                                         "algorithm.rollout_correction.rollout_is=sequence",
+                                         "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+                                         "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"]],
+                         ids=["ppo_clip", "reinforce_is_rs"])
+def test_bypass_mode_trains_on_the_engines_log_probs_without_recomputing_them(extra, tmp_path, one_device,
+                                                                              monkeypatch):
+    """verl's bypass mode (`algorithm.rollout_correction.bypass_mode`; verl's bypass_ppo_clip and bypass_pg_*
+    presets): the actor's update gets the rollout engine's log-probs as the old policy's, the trainer's forward
+    pass for them never runs (no reference here, so the actor's forward program is not called at all during the
+    steps), and the weights and rejection are left to the loss (none in the update batch)."""
     from bridge.engines.hf import HFEngine
     from jaxppo.engine import ActorEngine
     from jaxppo.train import make_engine_factory
@@ -268,6 +275,7 @@ def test_bypass_mode_trains_on_the_engines_log_probs_without_recomputing_them(tm
         return ro
 
     def spy_update(self, state, minibatch, *a, **kw):
+        assert "is_weights" not in minibatch and self.bypass is not None
         trained.append(np.asarray(minibatch["old_logprobs"]))
         return update(self, state, minibatch, *a, **kw)
 
@@ -277,7 +285,7 @@ def test_bypass_mode_trains_on_the_engines_log_probs_without_recomputing_them(tm
     cfg = load_config(ROOT / "configs" / "default_grpo.yaml",
                       [f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "trainer.sft_warmup_steps=0",
                        "trainer.total_training_steps=2", "trainer.test_freq=-1", "actor.use_kl_loss=false",
-                       "actor.ppo_mini_batch_size=8", "algorithm.rollout_correction.bypass_mode=true"])
+                       "actor.ppo_mini_batch_size=8", "algorithm.rollout_correction.bypass_mode=true", *extra])
     with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
         trainer.fit()
     assert len(sampled) == 2 and len(trained) == 2 and not forwards
@@ -294,10 +302,10 @@ def test_bypass_mode_refuses_what_it_does_not_do(tmp_path, capsys):
     from jaxppo.train import main
 
     base = [f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "algorithm.rollout_correction.bypass_mode=true"]
-    for extra, says in ((["algorithm.rollout_correction.loss_type=reinforce"], "not built yet"),
+    for extra, says in ((["algorithm.rollout_correction.rollout_is=token",
+                          "algorithm.rollout_correction.rollout_is_batch_normalize=true"], "is not built"),
                         (["algorithm.rollout_correction.loss_type=pg"], "known: ['ppo_clip', 'reinforce']"),
-                        (["algorithm.rollout_correction.rollout_rs=token_k1",
-                          "algorithm.rollout_correction.rollout_rs_threshold=2.0"], "bypass_ppo_clip preset"),
+                        (["actor.tis_threshold=2.0"], "drop one"),
                         (["actor.policy_loss.loss_mode=gspo"], "set it to vanilla")):
         assert main([*base, *extra]) == 2
         assert says in capsys.readouterr().err

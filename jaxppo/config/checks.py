@@ -297,12 +297,9 @@ def _check_sampling_and_rewards(cfg: Config) -> None:
 
         _check(rc.loss_type in corr.BYPASS_LOSSES, f"algorithm.rollout_correction.loss_type {rc.loss_type!r} unknown; "
                f"known: {list(corr.BYPASS_LOSSES)}")
-        _check(rc.loss_type == "ppo_clip", "algorithm.rollout_correction.loss_type=reinforce (bypass mode's policy "
-               "gradient with importance weights computed in the loss) is not built yet; loss_type=ppo_clip is")
-        _check(rc.rollout_is is None and rc.rollout_rs is None, "algorithm.rollout_correction.bypass_mode with "
-               "rollout_is / rollout_rs: verl computes those in the loss from the current policy, which jaxppo does "
-               "not do yet; set them to null (verl's bypass_ppo_clip preset) or bypass_mode=false (the decoupled "
-               "mode, which recomputes the old log-probs and corrects the gap)")
+        _check(not (rc.rollout_is is not None and rc.rollout_is_batch_normalize), "algorithm.rollout_correction."
+               "rollout_is_batch_normalize in bypass mode (verl normalises each micro-batch's weights inside the "
+               "loss) is not built; it is in the decoupled mode (bypass_mode=false)")
         _check(cfg.actor.tis_threshold is None, "actor.tis_threshold with algorithm.rollout_correction.bypass_mode: "
                "the old policy is the rollout's, so there is no gap left to weight; drop one")
         _check(cfg.actor.policy_loss.loss_mode == "vanilla", "algorithm.rollout_correction.bypass_mode replaces the "

@@ -132,10 +132,10 @@ TABLE: list[tuple[str, str, str]] = [
     ("trainer.log_val_generations", IGNORED, "validation writes every generation to the run directory"),
     ("trainer.device", IGNORED, "JAX's default backend"),
     ("algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.bypass_mode",
-     "the engine's log-probs as the old policy's, no recomputation; with loss_type=ppo_clip and without rollout_is / "
-     "rollout_rs (verl's bypass_ppo_clip preset; the others exit 2)"),
+     "the engine's log-probs as the old policy's, no recomputation; rollout_is / rollout_rs computed in the loss "
+     "from the current policy (jaxppo/ppo/bypass.py); rollout_is_batch_normalize there exits 2"),
     ("algorithm.rollout_correction.loss_type", "algorithm.rollout_correction.loss_type",
-     "ppo_clip; reinforce exits 2 (not built yet)"),
+     "bypass mode's loss: ppo_clip or reinforce"),
     ("reward_model.enable", IGNORED, "a reward model runs when model.reward_model_path is set"),
     ("reward_model.reward_manager", IGNORED, "jaxppo's reward workers score every source by data_source"),
     ("reward_model.overlong_buffer.enable", "reward.overlong_buffer.enable", ""),

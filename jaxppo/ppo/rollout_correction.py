@@ -11,10 +11,11 @@ are dropped. On the host, in float64, once per step from the trainer's old log-p
                         `rollout_rs_threshold` (k1: "lower_upper" ratio bounds, else an upper bound); rejected
                         tokens leave the actor's loss mask
 
-  bypass_mode           the rollout engine's log-probs are the old policy's: the trainer skips recomputing them
-                        and the PPO ratio is taken against the policy that sampled (loss_type=ppo_clip; verl's
-                        bypass_ppo_clip preset). Without the trainer's log-probs there is no gap to measure:
-                        the `rollout/*` and `rollout_corr/*` metrics are not logged.
+  bypass_mode           the rollout engine's log-probs are the old policy's: the trainer skips recomputing them,
+                        and the options above are computed in the loss from the current policy instead of here
+                        (jaxppo/ppo/bypass.py, loss_type ppo_clip | reinforce). Without the trainer's log-probs
+                        there is no gap to measure on the host: the `rollout/*` and `rollout_corr/*` metrics are
+                        not logged.
 
 Metrics under verl's names (`rollout_corr/...`); tests/ppo/test_verl_oracle.py checks weights, mask and every metric
 here against verl's functions.

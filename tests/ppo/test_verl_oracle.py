@@ -426,3 +426,82 @@ def test_dapos_math_rule_equals_verls(case):
     for source in ("math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime25"):
         assert get_reward_fn(source)(response, truth, {}) == ours
         assert get_answer_extractor(source)(response) == ref["pred"]
+
+
+# ---------------------------------------------------------------- bypass mode (the correction in the loss)
+
+BYPASS_CASES = [dict(loss_type="ppo_clip"), dict(loss_type="reinforce"),
+                dict(loss_type="reinforce", rollout_is="sequence", rollout_is_threshold="2.0"),
+                dict(loss_type="reinforce", rollout_is="token", rollout_is_threshold="0.5_2.0"),
+                dict(loss_type="ppo_clip", rollout_rs="seq_mean_k1", rollout_rs_threshold="0.9_1.1"),
+                dict(loss_type="ppo_clip", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.01"),
+                dict(loss_type="reinforce", rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="0.5_2.0,0.2"),
+                dict(loss_type="reinforce", rollout_is="token", rollout_is_threshold="2.0", rollout_rs="seq_sum_k1",
+                     rollout_rs_threshold="0.3_3.0")]
+
+
+@pytest.mark.parametrize("case", range(len(BYPASS_CASES)))
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_bypass_mode_loss_and_gradient_equal_verls(case, mode):
+    """jaxppo's bypass loss (`jaxppo/ppo/bypass.py`) against verl's `compute_policy_loss_bypass_mode` on one
+    micro-batch with the mini-batch's counts: the loss and its gradient with respect to the current log-probs."""
+    import jax
+
+    from jaxppo.config import load_config
+    from jaxppo.ppo.bypass import bypass_policy_loss
+
+    spec = BYPASS_CASES[case]
+    for seed in SEEDS:
+        rng, mask, rollout, new, adv = loss_inputs(seed)
+        num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+        cfg = actor_config(rng, mode, batch_num_tokens=num_tokens, global_batch_size=num_seqs)
+        verl_rc = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_rs": None, "rollout_rs_threshold": None,
+                   "rollout_is_batch_normalize": False, **spec}
+        object.__setattr__(cfg, "policy_loss", {"rollout_correction": verl_rc, "loss_mode": "bypass_mode"})
+        lp = t64(new).requires_grad_(True)
+        w_loss, _ = core.compute_policy_loss_bypass_mode(t64(rollout), lp, t64(adv), t64(mask), mode, cfg)
+        w_loss.backward()
+        ours = load_config(None, [f"actor.clip_ratio_low={cfg.clip_ratio_low}",
+                                  f"actor.clip_ratio_high={cfg.clip_ratio_high}", f"actor.clip_ratio_c={cfg.clip_ratio_c}",
+                                  "algorithm.rollout_correction.bypass_mode=true"]
+                           + [f"algorithm.rollout_correction.{k}={v}" for k, v in spec.items()])
+        rc = ours.algorithm.rollout_correction
+
+        def f(x):
+            return bypass_policy_loss(rc, jnp.asarray(rollout), x, jnp.asarray(adv), jnp.asarray(mask), ours.actor, mode,
+                                      num_tokens=num_tokens, num_seqs=num_seqs)[0]
+
+        g_loss, g_grad = jax.value_and_grad(f)(jnp.asarray(new))
+        close(g_loss, w_loss, f"{spec} {mode} loss, seed {seed}")
+        close(np.asarray(g_grad) * mask, lp.grad * t64(mask), f"{spec} {mode} gradient, seed {seed}")
+
+
+@pytest.mark.parametrize("case", [2, 4, 6, 7])  # the sequence-level weights and rejections
+def test_bypass_mode_is_the_same_on_packed_rows(case):
+    """Packed rows (several sequences a row, `segment`): the in-loss weights and rejections find each token's
+    sequence, so the loss equals the padded layout's."""
+    import jax
+
+    from jaxppo.config import load_config
+    from jaxppo.ppo.bypass import bypass_policy_loss
+
+    spec = BYPASS_CASES[case]
+    cfg = load_config(None, ["algorithm.rollout_correction.bypass_mode=true"]
+                      + [f"algorithm.rollout_correction.{k}={v}" for k, v in spec.items()])
+    rc = cfg.algorithm.rollout_correction
+    for seed in SEEDS:
+        rng, mask, rollout, new, adv = loss_inputs(seed, empty_rows=False)
+        lengths = mask.sum(-1).astype(int)
+        pack = lambda x: np.concatenate([x[i, :lengths[i]] for i in range(len(x))])[None, :]  # noqa: E731
+        segment = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])[None, :]
+        norm = dict(num_tokens=mask.sum(), num_seqs=float(len(lengths)))
+
+        def loss(lr, lp, a, m, seg=None):
+            return jax.value_and_grad(lambda x: bypass_policy_loss(rc, jnp.asarray(lr), x, jnp.asarray(a),
+                                                                   jnp.asarray(m), cfg.actor, segment=seg,
+                                                                   **norm)[0])(jnp.asarray(lp))
+
+        padded = loss(rollout, new, adv, mask)
+        packed = loss(pack(rollout), pack(new), pack(adv), pack(mask), jnp.asarray(segment))
+        close(packed[0], padded[0], f"{spec} packed loss, seed {seed}")
+        close(packed[1], pack(np.asarray(padded[1])), f"{spec} packed gradient, seed {seed}")
