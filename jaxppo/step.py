@@ -426,8 +426,9 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, time
     if rollout_corr.enabled(cfg) and not rollout_corr.bypass(cfg):
         # verl's rollout correction (decoupled): weights, rejected tokens out of the actor's loss mask; in bypass
         # mode the loss computes them from the current policy (jaxppo/ppo/bypass.py)
-        weights, actor_mask, rc_metrics = rollout_corr.rollout_correction(old_lp, ro.logprobs, rmask,
-                                                                          cfg.algorithm.rollout_correction)
+        weights, actor_mask, rc_metrics = rollout_corr.rollout_correction(
+            old_lp, ro.logprobs, rmask, cfg.algorithm.rollout_correction,
+            total=lambda v: dist.gather_rows(np.asarray(v, np.float64)[None]).sum(0))
         if weights is not None:
             batch["is_weights"] = weights.astype(np.float32)
         batch["response_mask"] = actor_mask.astype(rmask.dtype)

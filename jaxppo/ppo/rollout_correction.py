@@ -24,7 +24,7 @@ here against verl's functions.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -91,8 +91,10 @@ def parse_rs(options: str, spec: Any) -> dict[str, tuple[float | None, float]]:
 
 
 def is_weights(log_ratio: np.ndarray, mask: np.ndarray, level: str, threshold: Any,
-               batch_normalize: bool = False) -> tuple[np.ndarray, dict[str, float]]:
-    """Importance weights (0 at masked tokens) and their metrics (verl's compute_rollout_correction_weights)."""
+               batch_normalize: bool = False, total: Callable[[np.ndarray], np.ndarray] = lambda v: v
+               ) -> tuple[np.ndarray, dict[str, float]]:
+    """Importance weights (0 at masked tokens) and their metrics (verl's compute_rollout_correction_weights).
+    `total`: sums an array over every process's rows (the batch normalisation's mean is the whole batch's)."""
     upper, lower = parse_is_threshold(threshold)
     if level == "token":
         lr_metrics = log_ratio
@@ -132,10 +134,12 @@ def is_weights(log_ratio: np.ndarray, mask: np.ndarray, level: str, threshold: A
         m["rollout_is_oob_ratio"] = float(_mmean(((raw < lower) | (raw > upper)).astype(float), mask))
     if batch_normalize:
         if level == "token":
-            mean = _mmean(w, mask)
+            num, den = total(np.array([(w * mask).sum(), mask.sum()]))
+            mean = num / (den + 1e-8)
         else:
             valid = (mask.sum(-1) > 0).astype(float)
-            mean = (_mmean(w, mask, -1) * valid).sum() / max(valid.sum(), 1e-8)
+            num, den = total(np.array([(_mmean(w, mask, -1) * valid).sum(), valid.sum()]))
+            mean = num / max(den, 1e-8)
         if mean > 1e-8:
             w = w / mean
         m["rollout_is_batch_norm_factor"] = float(mean) if mean > 1e-8 else 1.0
@@ -229,17 +233,20 @@ def offpolicy_metrics(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) ->
             "chi2_seq": float(np.exp(2.0 * seq).mean() - 1.0)}
 
 
-def rollout_correction(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray, response_mask: np.ndarray, rc: Any
+def rollout_correction(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray, response_mask: np.ndarray, rc: Any,
+                       total: Callable[[np.ndarray], np.ndarray] = lambda v: v
                        ) -> tuple[np.ndarray | None, np.ndarray, dict[str, float]]:
     """(importance weights or None, the actor's loss mask, `rollout_corr/*` metrics) for one batch
-    (verl's compute_rollout_correction_and_rejection_mask), `rc` the algorithm.rollout_correction config."""
+    (verl's compute_rollout_correction_and_rejection_mask), `rc` the algorithm.rollout_correction config;
+    `total` sums over every process's rows (several processes: the batch normalisation's mean is global)."""
     old, ro = np.asarray(old_logprobs, np.float64), np.asarray(rollout_logprobs, np.float64)
     mask = np.asarray(response_mask, np.float64)
     log_ratio = old - ro
     metrics: dict[str, float] = {}
     weights = None
     if rc.rollout_is is not None:
-        weights, m = is_weights(log_ratio, mask, rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize)
+        weights, m = is_weights(log_ratio, mask, rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
+                                total)
         metrics.update(m)
     out_mask = mask
     if rc.rollout_rs is not None:

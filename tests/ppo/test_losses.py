@@ -195,3 +195,26 @@ def test_truncated_is_weights_and_mismatch_metrics():
     weighted = ppo.policy_loss(trainer, trainer, adv, mask, is_weights=w)[0]
     np.testing.assert_allclose(float(weighted), ref.agg(-adv * w, mask, "token-mean"), atol=1e-12)
     assert float(base) != float(weighted)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_batch_normalised_weights_are_the_whole_batchs_over_processes(level):
+    """`rollout_is_batch_normalize` with the batch split over two processes (`total` sums a vector over them):
+    each process's weights equal the rows of the single-process computation (the mean is the whole batch's)."""
+    from jaxppo.ppo.rollout_correction import is_weights
+
+    rng = np.random.default_rng(3)
+    mask = (rng.random((10, 7)) < 0.8).astype(float)
+    mask[2] = 0.0
+    lr = rng.normal(0.0, 0.4, mask.shape)
+    whole, _ = is_weights(lr, mask, level, "2.0", True)
+    halves = (slice(0, 4), slice(4, 10))  # unequal shares, as the token counts are
+    local = []
+    for h in halves:  # each process's own vector, as `total` receives it
+        is_weights(lr[h], mask[h], level, "2.0", True, total=lambda v: local.append(v) or v)
+    for i, h in enumerate(halves):
+        other = local[1 - i]
+        w, _ = is_weights(lr[h], mask[h], level, "2.0", True, total=lambda v: v + other)
+        np.testing.assert_allclose(w, whole[h], rtol=1e-12, atol=0)
+    alone, _ = is_weights(lr[halves[0]], mask[halves[0]], level, "2.0", True)
+    assert not np.allclose(alone, whole[halves[0]])  # a process's own mean would differ
