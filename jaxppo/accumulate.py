@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxppo import offload
+
 Batch = dict[str, jax.Array]
 
 
@@ -106,7 +108,12 @@ def optimizer_step(engine: Any, loss_fn: Callable, state: Any, minibatch: Batch,
         ok &= (v <= bound) if kind == "max" else (v >= bound)
 
     def apply(_):
-        updates, opt_state = engine.tx.update(grads, state.opt_state, state.params)
+        opt_state = state.opt_state
+        if engine.optimizer_offload:  # the moments from host memory, and back (jaxppo/offload.py)
+            opt_state = offload.fetch(opt_state, engine.opt_shardings)
+        updates, opt_state = engine.tx.update(grads, opt_state, state.params)
+        if engine.optimizer_offload:
+            opt_state = offload.store(opt_state, engine.opt_shardings)
         return optax.apply_updates(state.params, updates), opt_state
 
     # a branch, not a select over the new and old trees: a healthy step reads and writes the

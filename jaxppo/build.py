@@ -60,17 +60,33 @@ class Build:
             out["actor base (frozen, compute dtype)"] = device_bytes(self.actor_frozen)
             out["actor adapters (fp32 + AdamW)"] = device_bytes(self.actor_state)
         else:
-            out["actor (weights + AdamW)"] = device_bytes(self.actor_state)
+            out["actor (weights + AdamW)" if not self.offloaded(self.actor_state)
+                else "actor (weights; AdamW in host memory)"] = device_bytes(self.actor_state)
         if self.critic_state is not None:
             if self.critic_frozen is not None:
                 out["critic base (frozen, compute dtype)"] = device_bytes(self.critic_frozen)
                 out["critic adapters + head (fp32 + AdamW)"] = device_bytes(self.critic_state)
             else:
-                out["critic (weights + AdamW)"] = device_bytes(self.critic_state)
+                out["critic (weights + AdamW)" if not self.offloaded(self.critic_state)
+                    else "critic (weights; AdamW in host memory)"] = device_bytes(self.critic_state)
         if self.ref is not None:
             out["reference" + (" (zero adapters: the base)" if self.actor_frozen is not None
                                else " (compute dtype)")] = device_bytes(self.ref)
         return out
+
+    @staticmethod
+    def offloaded(state: Any) -> bool:
+        from jaxppo.offload import is_host
+
+        return any(is_host(x) for x in jax.tree.leaves(state.opt_state))
+
+    def host_state_bytes(self) -> dict[str, int]:
+        """What the run keeps in this host's memory (offloaded optimizer states: jaxppo/offload.py)."""
+        from jaxppo.offload import host_bytes
+
+        out = {f"{name} AdamW moments": host_bytes(state.opt_state)
+               for name, state in (("actor", self.actor_state), ("critic", self.critic_state)) if state is not None}
+        return {k: v for k, v in out.items() if v}
 
 
 def model_kwargs(cfg: Config) -> dict[str, Any]:
@@ -117,6 +133,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
                         trainable=is_adapter if actor_lora.rank else None)
     # the health guards are part of the compiled update (jaxppo/health.py): set before the plan compiles it
     actor.guards = update_guards(cfg.trainer.health, "actor")
+    actor.optimizer_offload = a.optimizer_offload  # before the state's shardings are made (jaxppo/offload.py)
     # verl's bypass mode: the policy loss corrects the rollout's gap itself (jaxppo/ppo/bypass.py)
     actor.bypass = cfg.algorithm.rollout_correction if cfg.algorithm.rollout_correction.bypass_mode else None
     actor_state, actor_frozen = actor.abstract_state(abstract_of(module, mesh))
@@ -133,6 +150,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
                               cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype,
                               trainable=(lambda p: is_adapter(p) or p[0] == "score") if critic_lora.rank else None)
         critic.guards = update_guards(cfg.trainer.health, "critic")
+        critic.optimizer_offload = c.optimizer_offload
         critic_state, critic_frozen = critic.abstract_state(abstract_of(critic_module, mesh))
     return Build(cfg, mesh, actor_cfg, critic_cfg if critic is not None else None, actor, critic, actor_lora,
                  critic_lora, actor_state, actor_frozen, critic_state, critic_frozen, ref)

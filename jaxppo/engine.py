@@ -25,7 +25,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxppo import ppo
+from jaxppo import offload, ppo
 from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticConfig, OptimConfig
 from jaxppo.accumulate import _without, minibatch_gradients, optimizer_step
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
@@ -217,6 +217,9 @@ class _Base(DeviceBatches):
                               "parameters (mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this "
                               f"mesh is {dict(m)}")
         self._param_specs = None  # PartitionSpecs of the parameter tree (from the first params seen)
+        # AdamW's moments in host memory between updates (jaxppo/offload.py); set before the state is made
+        self.optimizer_offload = False
+        self.opt_shardings: Any = None  # the optimizer state's shardings (memory kinds included), for the update
         self._update_jit: Program | None = None
         self._forward_jit: Program | None = None
         self.frozen = None  # LoRA: the base weights (compute dtype), set by init_state
@@ -236,12 +239,10 @@ class _Base(DeviceBatches):
             from jaxppo.models.lora import split
 
             params, self.frozen = split(params, self.trainable)
-        whole = NamedSharding(self.mesh, P())
-        shardings = optax.tree_map_params(self.tx, lambda _, p: p.sharding, jax.eval_shape(self.tx.init, params),
-                                          params, transform_non_params=lambda _: whole)
+        shardings = self._opt_state_shardings(params)
         with self._ctx():
             opt_state = jax.jit(self.tx.init, out_shardings=shardings)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), whole)  # on the mesh, like outputs
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))  # on the mesh, like outputs
         return TrainState(params, opt_state, step)
 
     def _remember_specs(self, params: Any) -> None:
@@ -319,6 +320,7 @@ class _Base(DeviceBatches):
         # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
         # P(None, None)) and the second call, seeing "different" input shardings, compiles again
         shardings = jax.tree.map(lambda x: x.sharding, state)
+        self.opt_shardings = shardings.opt_state
         self._remember_specs(state.params)
         return Program(lambda s, b, e: optimizer_step(self, loss_fn, s, b, e), name=name, donate_argnums=(0,),
                        out_shardings=(shardings, None))
@@ -333,10 +335,22 @@ class _Base(DeviceBatches):
             params, frozen = split(params, self.trainable)
         whole = NamedSharding(self.mesh, P())
         abstract_opt = jax.eval_shape(self.tx.init, params)
-        shardings = optax.tree_map_params(self.tx, lambda _, p: p.sharding, abstract_opt, params,
-                                          transform_non_params=lambda _: whole)
+        shardings = self._opt_state_shardings(params)
         opt = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract_opt, shardings)
         return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=whole)), frozen
+
+    def _opt_state_shardings(self, params: Any) -> Any:
+        """The optimizer state's shardings: Adam's moments like their parameters (in pinned host memory with
+        `optimizer_offload`), its scalars whole on the mesh."""
+        whole = NamedSharding(self.mesh, P())
+        abstract_opt = jax.eval_shape(self.tx.init, params)
+        shardings = optax.tree_map_params(self.tx, lambda _, p: p.sharding, abstract_opt, params,
+                                          transform_non_params=lambda _: whole)
+        if self.optimizer_offload:
+            param_like = optax.tree_map_params(self.tx, lambda _, p: True, abstract_opt, params,
+                                               transform_non_params=lambda _: False)
+            shardings = offload.to_host(shardings, param_like)
+        return shardings
 
 
 class _Ctx:

@@ -79,6 +79,7 @@ class Plan:
     # each phase group's chosen programs compiled as the run compiles them, (name, memory, resident argument
     # bytes) each: what `finalize` runs once JAX holds its share (autotuning allocates from it)
     finals: list[Callable[[], list[tuple[str, Memory, int]]]] = dataclasses.field(default_factory=list, repr=False)
+    host: dict[str, int] = dataclasses.field(default_factory=dict)  # offloaded states, in this host's RAM
 
     @property
     def resident(self) -> int:
@@ -108,7 +109,8 @@ class Plan:
                 "jax_limit": self.jax_limit, "states": dict(self.states), "budgets": dataclasses.asdict(self.budgets),
                 "phases": {p.name: {"budget": p.budget, "program": p.program, "temps": p.memory.temps}
                            for p in self.phases},
-                "vllm": None if self.vllm is None else dataclasses.asdict(self.vllm), "table": self.table()}
+                "vllm": None if self.vllm is None else dataclasses.asdict(self.vllm), "host": dict(self.host),
+                "table": self.table()}
 
     def table(self) -> str:
         gb = lambda b: f"{b / GiB:8.2f} GiB" if b >= GiB else f"{b / 2**20:8.1f} MiB"  # noqa: E731
@@ -124,6 +126,9 @@ class Plan:
                      f"+ margin {self.margin / GiB:.1f} GiB = {gb(self.need)}")
         if self.jax_limit is not None:
             lines.append(f"  {'JAX limit':<42}{gb(self.jax_limit)}  of a {self.card / GiB:.1f} GiB card")
+        if self.host:
+            lines.append("  in host memory (offloaded; this host's share):")
+            lines += [f"    {k:<40}{gb(v)}" for k, v in self.host.items()]
         if self.vllm is not None:
             v = self.vllm
             waves = -(-v.step_sequences // max(v.sequences, 1))
@@ -159,6 +164,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     d, r = cfg.data, cfg.rollout
     margin = int(cfg.trainer.memory_margin_gb * GiB)
     states = build.state_bytes()
+    check_host(build.host_state_bytes())
     resident = sum(states.values())
     vllm = r.engine == "vllm" and card is not None
     step_seqs = d.train_batch_size * r.n
@@ -286,11 +292,35 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
         actor_forward=chosen.get("actor.log_prob_max_token_len_per_device", 0),
         critic_update=chosen.get("critic.ppo_max_token_len_per_device", 0),
         critic_forward=chosen.get("critic.forward_max_token_len_per_device", 0))
-    plan = Plan(states, phases, margin, card, jax_limit, None, budgets, finals)
+    plan = Plan(states, phases, margin, card, jax_limit, None, budgets, finals, build.host_state_bytes())
     if vllm:
         plan = _split(cfg, plan, weights, kv_seq, step_seqs)
     check(cfg, plan)
     return plan
+
+
+def host_available() -> int | None:
+    """This host's available RAM (/proc/meminfo's MemAvailable; elsewhere None: not checked)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host(host: dict[str, int], available: int | None = None) -> None:
+    """The offloaded states (`host`: bytes on this host, by component) must fit the host's available RAM with a
+    tenth to spare; ConfigError naming what to change."""
+    need = sum(host.values())
+    available = host_available() if available is None else available
+    if need and available is not None and need > 0.9 * available:
+        raise ConfigError(f"the offloaded states take {need / GiB:.1f} GiB of host memory, more than 90% of the "
+                          f"{available / GiB:.1f} GiB this host has available ("
+                          + ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in host.items()) + "): use LoRA "
+                          "(actor.lora_rank / critic.lora_rank), offload fewer states "
+                          "(actor.optimizer_offload / critic.optimizer_offload), or more hosts (docs/distributed.md)")
 
 
 def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None) -> Plan:

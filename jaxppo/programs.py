@@ -124,9 +124,13 @@ def abstract(tree: Any) -> Any:
 def device_bytes(tree: Any, device: Any = None) -> int:
     """Bytes of `tree`'s arrays (or ShapeDtypeStructs with shardings) on one device (default: the first local one):
     each leaf's shard there, by its sharding's shard shape."""
+    from jaxppo.offload import is_host
+
     device = device or jax.local_devices()[0]
     total = 0
     for x in jax.tree.leaves(tree):
+        if is_host(x):  # offloaded to host memory (jaxppo/offload.py): not the device's
+            continue
         sharding = getattr(x, "sharding", None)
         shape = np.shape(x)
         if sharding is not None:

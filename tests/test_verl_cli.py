@@ -114,7 +114,7 @@ def test_verls_example_command_line_runs_on_the_embedded_default(name, tmp_path)
 def test_a_verl_key_without_a_jaxppo_meaning_exits_2_naming_it(tmp_path, capsys):
     from jaxppo.train import main
 
-    for key, why in [("actor_rollout_ref.actor.fsdp_config.param_offload=True", "no host offload"),
+    for key, why in [("actor_rollout_ref.actor.fsdp_config.param_offload=True", "no parameter offload"),
                      ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=4", "no sequence parallelism"),
                      ("actor_rollout_ref.model.use_shm=True", "no jaxppo meaning")]:
         rc = main([f"trainer.default_local_dir={tmp_path / 'run'}", key])

@@ -113,6 +113,7 @@ class ActorConfig:
     lora_alpha: float = 16.0  # LoRA scale alpha / rank
     target_modules: str = "all-linear"  # all-linear (every decoder projection) or a comma list, e.g. q_proj,v_proj
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    optimizer_offload: bool = False  # AdamW's moments in pinned host memory between updates (jaxppo/offload.py)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class CriticConfig:
     lora_alpha: float = 16.0
     target_modules: str = "all-linear"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    optimizer_offload: bool = False  # as actor.optimizer_offload
 
 
 @dataclass(frozen=True)

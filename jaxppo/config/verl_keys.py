@@ -72,8 +72,9 @@ TABLE: list[tuple[str, str, str]] = [
     (A + "tau_pos", "actor.tau_pos", ""),
     (A + "tau_neg", "actor.tau_neg", ""),
     (A + "strategy", IGNORED, "one JAX mesh (mesh.*) whatever verl's fsdp / fsdp2 / megatron"),
-    (A + "fsdp_config.param_offload", UNSUPPORTED, "no host offload yet: LoRA (actor.lora_rank) or more devices"),
-    (A + "fsdp_config.optimizer_offload", UNSUPPORTED, "no host offload yet: LoRA (actor.lora_rank) or more devices"),
+    (A + "fsdp_config.param_offload", UNSUPPORTED, "no parameter offload yet: actor.optimizer_offload, LoRA "
+     "(actor.lora_rank) or more devices"),
+    (A + "fsdp_config.optimizer_offload", "actor.optimizer_offload", "AdamW's moments in pinned host memory"),
     (A + "fsdp_config.reshard_after_forward", IGNORED, "mesh.fsdp_gather (layer / update) says how JAX gathers"),
     (A + "ulysses_sequence_parallel_size", UNSUPPORTED, "no sequence parallelism: mesh.data / fsdp / tensor"),
     (A + "checkpoint.save_contents", IGNORED, "checkpoints hold the model, optimizer and sampler state"),
@@ -120,8 +121,9 @@ TABLE: list[tuple[str, str, str]] = [
     (C + "ppo_max_token_len_per_gpu", "critic.ppo_max_token_len_per_device", ""),
     (C + "forward_max_token_len_per_gpu", "critic.forward_max_token_len_per_device", ""),
     (C + "strategy", IGNORED, "as the actor's"),
-    (C + "fsdp_config.param_offload", UNSUPPORTED, "no host offload yet: critic.lora_rank or more devices"),
-    (C + "fsdp_config.optimizer_offload", UNSUPPORTED, "no host offload yet: critic.lora_rank or more devices"),
+    (C + "fsdp_config.param_offload", UNSUPPORTED, "no parameter offload yet: critic.optimizer_offload, "
+     "critic.lora_rank or more devices"),
+    (C + "fsdp_config.optimizer_offload", "critic.optimizer_offload", "AdamW's moments in pinned host memory"),
     # data and the trainer: jaxppo's own names where they are verl's; these differ or are refused
     ("data.filter_overlong_prompts", IGNORED, "data.truncation=filter (jaxppo's default) drops them"),
     ("data.return_raw_chat", IGNORED, "the chat template is applied when the data is read"),
