@@ -403,8 +403,13 @@ def _what_to_change(cfg: Any, plan: Plan, shards: int) -> list[str]:
                    "(automatic: vLLM gets what JAX leaves)")
     if not plan.phases or plan.resident + plan.margin > 0.6 * (plan.jax_limit or plan.card):
         need = max(2, math.ceil(plan.resident * shards / (0.6 * (plan.jax_limit or plan.card))))
+        offload = [f"{s}.optimizer_offload=true" for s in ("actor", "critic")
+                   if getattr(cfg, s).lora_rank == 0 and not getattr(cfg, s).optimizer_offload
+                   and (s == "actor" or any(k.startswith("critic") for k in plan.states))]
         out.append(f"the states alone take {plan.resident / GiB:.1f} GiB per device: train adapters "
-                   f"(actor.lora_rank / critic.lora_rank), or shard over more devices (mesh.fsdp={need} or more)")
+                   f"(actor.lora_rank / critic.lora_rank), "
+                   + (f"keep AdamW's moments in host memory ({', '.join(offload)}), " if offload else "")
+                   + f"or shard over more devices (mesh.fsdp={need} or more)")
     return out
 
 

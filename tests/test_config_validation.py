@@ -179,4 +179,5 @@ def test_a_run_that_cannot_fit_the_card_exits_2_and_says_what_to_change(shapes, 
     assert res.returncode == 2, err[-3000:]
     assert "does not fit the card" in err and "mesh.fsdp=" in err and "memory plan per device" in err
     assert "actor (weights + AdamW)" in err and "states alone" in err and "Traceback" not in err
+    assert "actor.optimizer_offload=true, critic.optimizer_offload=true" in err  # the host can hold the moments
     assert not (tmp_path / "run").exists()
