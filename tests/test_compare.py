@@ -108,7 +108,8 @@ def test_compare_logits_qwen3(tiny_qwen3, capsys):
 
 # --dtype float64: JAX in x64 mode and torch in double run the same update end to end, so every quantity,
 # parameter updates included, agrees within 1e-8 (seen: <= 3e-11); checkpoints built here with their own seeds
-F64 = ["--dtype", "float64", "--batch", "32", "--seed", "5", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3"]
+F64 = ["--dtype", "float64", "--batch", "16", "--micro-batches", "1", "--prompt-len", "8", "--response-len", "8",
+       "--seed", "5", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3"]
 
 
 @pytest.mark.slow

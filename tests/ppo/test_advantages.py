@@ -102,4 +102,4 @@ def test_unknown_estimator_lists_known():
     with pytest.raises(KeyError, match=r"unknown advantage estimator 'ppo'.*gae.*grpo.*reinforce_plus_plus.*rloo"):
         compute_advantages("ppo", jnp.zeros((1, 1)), jnp.ones((1, 1)))
     assert set(ADVANTAGE_ESTIMATORS.names()) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "grpo_passk",
-                                                 "reinforce_plus_plus_baseline", "opo", "gpg"}
+                                                 "reinforce_plus_plus_baseline", "opo", "gpg", "remax"}
