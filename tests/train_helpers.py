@@ -156,3 +156,15 @@ def shared_tmp(tmp_path_factory) -> Path:
     root = base.parent / f"shared_{uid}" if uid else base / "shared"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def learns(tmp_path_factory, config: str, steps: int, *overrides: str) -> tuple[float, float, float, float]:
+    """(validation at step 0, at `steps`; training score over the first 10 steps, over the last 10)."""
+    run = tmp_path_factory.mktemp("learn") / "run"
+    args = [f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=-1",
+            "trainer.logger=[jsonl]", *overrides]
+    seed_warm_start(run, shared_tmp(tmp_path_factory), *args, config=ROOT / "configs" / config)
+    run_train(run, *args, timeout=1200, config=ROOT / "configs" / config)
+    metrics = read_metrics(run)
+    score = [metrics[s]["critic/score/mean"] for s in range(1, steps + 1)]
+    return metrics[0]["val/score"], metrics[steps]["val/score"], sum(score[:10]) / 10, sum(score[-10:]) / 10
