@@ -335,15 +335,15 @@ class _Base(DeviceBatches):
             params, frozen = split(params, self.trainable)
         whole = NamedSharding(self.mesh, P())
         abstract_opt = jax.eval_shape(self.tx.init, params)
-        shardings = self._opt_state_shardings(params)
+        shardings = self._opt_state_shardings(params, abstract_opt)
         opt = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract_opt, shardings)
         return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=whole)), frozen
 
-    def _opt_state_shardings(self, params: Any) -> Any:
+    def _opt_state_shardings(self, params: Any, abstract_opt: Any = None) -> Any:
         """The optimizer state's shardings: Adam's moments like their parameters (in pinned host memory with
-        `optimizer_offload`), its scalars whole on the mesh."""
+        `optimizer_offload`), its scalars whole on the mesh. `abstract_opt`: the state's shapes, if known."""
         whole = NamedSharding(self.mesh, P())
-        abstract_opt = jax.eval_shape(self.tx.init, params)
+        abstract_opt = jax.eval_shape(self.tx.init, params) if abstract_opt is None else abstract_opt
         shardings = optax.tree_map_params(self.tx, lambda _, p: p.sharding, abstract_opt, params,
                                           transform_non_params=lambda _: whole)
         if self.optimizer_offload:

@@ -270,21 +270,31 @@ def forward_input(engine, dynamic: bool, budget: int, batch: dict[str, np.ndarra
     return engine.shard_packed(packed), lambda x: packed.unpack(dist.local_rows(x, axis=1), n)
 
 
+def shaped_scores(ctx: StepContext, rows: np.ndarray, prompts: list[np.ndarray], rollouts: Rollouts
+                  ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """(scores, the scores with DAPO's overlong penalty if enabled (`reward.overlong_buffer`), counts) of this
+    process's rollouts of `prompts` (dataset rows `rows`): `score`, and the penalty's `extra/` entries."""
+    ob = ctx.cfg.reward.overlong_buffer
+    p_ids, p_mask = left_pad(prompts, ctx.tokenizer.pad_token_id, ctx.P)
+    raw, counts = score(ctx, ctx.train_ds, rows, rollouts, train_sequences(p_ids, p_mask, rollouts))
+    if not ob.enable:
+        return raw, raw, counts
+    penalty = overlong_penalty(rollouts.lengths, ctx.R, ob.len, ob.penalty_factor)
+    counts.update({"extra/overlong_reward": penalty, "extra/overlong": (penalty < 0).astype(np.float64)})
+    return raw, (raw + penalty).astype(np.float32), counts
+
+
 def greedy_baselines(ctx: StepContext, rows: np.ndarray, prompts: list[np.ndarray], step: int, timer: Timer
                      ) -> np.ndarray:
     """ReMax: one greedy response per prompt (verl generates it beside the sampled ones), scored as the samples
-    are (the overlong penalty included); its reward per prompt."""
+    are (`shaped_scores`: the overlong penalty included); its reward per prompt."""
     cfg = ctx.cfg
     greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.data.max_response_length, seed=cfg.trainer.seed + step,
                       logprobs=False)
     with timer("gen_max"):
         ro = ctx.engine.generate([p.tolist() for p in prompts], greedy)
-    p_ids, p_mask = left_pad(prompts, ctx.tokenizer.pad_token_id, ctx.P)
     with timer("reward"):
-        scores, _ = score(ctx, ctx.train_ds, rows, ro, train_sequences(p_ids, p_mask, ro))
-    ob = cfg.reward.overlong_buffer
-    if ob.enable:
-        scores = scores + overlong_penalty(ro.lengths, ctx.R, ob.len, ob.penalty_factor)
+        _, scores, _ = shaped_scores(ctx, rows, prompts, ro)
     out = np.zeros(len(prompts), np.float32)
     out[ro.prompt_index] = scores
     return out
@@ -303,7 +313,7 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
     `max_num_gen_batches` rounds; then the batch is filled with dropped groups. Returns (this process's samples
     for the step, global `batch/*` metrics)."""
     cfg = ctx.cfg
-    r, fg, ob = cfg.rollout, cfg.algorithm.filter_groups, cfg.reward.overlong_buffer
+    fg = cfg.algorithm.filter_groups
     want = dist.share(cfg.data.train_batch_size, "prompts of data.train_batch_size")
     n_want = want.stop - want.start
     pad_id = ctx.tokenizer.pad_token_id
@@ -319,14 +329,8 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
             with timer("gen"):
                 ro = ctx.engine.generate([p.tolist() for p in prompts], sampling)
             interrupt()
-            p_ids, p_mask = left_pad(prompts, ctx.tokenizer.pad_token_id, ctx.P)
             with timer("reward"):
-                scores, counts = score(ctx, ctx.train_ds, mine, ro, train_sequences(p_ids, p_mask, ro))
-                raw = scores
-                if ob.enable:
-                    penalty = overlong_penalty(ro.lengths, ctx.R, ob.len, ob.penalty_factor)
-                    counts.update({"extra/overlong_reward": penalty, "extra/overlong": (penalty < 0).astype(np.float64)})
-                    scores = (scores + penalty).astype(np.float32)
+                raw, scores, counts = shaped_scores(ctx, mine, prompts, ro)
             if cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: each prompt's greedy response's reward
                 counts["reward_baseline"] = greedy_baselines(ctx, mine, prompts, step, timer)[ro.prompt_index]
             got = Sampled(mine, prompts, ro, scores, counts)
