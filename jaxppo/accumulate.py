@@ -108,12 +108,9 @@ def optimizer_step(engine: Any, loss_fn: Callable, state: Any, minibatch: Batch,
         ok &= (v <= bound) if kind == "max" else (v >= bound)
 
     def apply(_):
-        opt_state = state.opt_state
-        if engine.optimizer_offload:  # the moments from host memory, and back (jaxppo/offload.py)
-            opt_state = offload.fetch(opt_state, engine.opt_shardings)
-        updates, opt_state = engine.tx.update(grads, opt_state, state.params)
-        if engine.optimizer_offload:
-            opt_state = offload.store(opt_state, engine.opt_shardings)
+        if engine.optimizer_offload:  # the moments through the device one parameter at a time (jaxppo/offload.py)
+            return offload.step(engine.tx_parts, grads, state.opt_state, state.params, engine.opt_shardings)
+        updates, opt_state = engine.tx.update(grads, state.opt_state, state.params)
         return optax.apply_updates(state.params, updates), opt_state
 
     # a branch, not a select over the new and old trees: a healthy step reads and writes the

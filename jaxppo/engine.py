@@ -59,12 +59,17 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), after], [warm])
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def optimizer_parts(cfg: OptimConfig, total_steps: int
+                    ) -> tuple[tuple[optax.GradientTransformation, optax.GradientTransformation], optax.Schedule]:
+    """(clip by the global norm, AdamW) and the learning-rate schedule: the optimizer is their chain."""
     schedule = lr_schedule(cfg, total_steps)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                     optax.adamw(schedule, b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay))
-    return tx, schedule
+    return (optax.clip_by_global_norm(cfg.grad_clip),
+            optax.adamw(schedule, b1=cfg.betas[0], b2=cfg.betas[1], eps=cfg.eps, weight_decay=cfg.weight_decay)), schedule
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    parts, schedule = optimizer_parts(cfg, total_steps)
+    return optax.chain(*parts), schedule
 
 
 def _chunks(x: jax.Array, size: int) -> jax.Array:
@@ -197,7 +202,9 @@ class _Base(DeviceBatches):
         self.guards: dict[str, tuple[str, float]] = {}
         self.compiled_shapes: set[tuple[int, ...]] = set()  # packed (micro-batches, slots, row length) shapes seen
         self._packed_shapes: dict[str, set] = {}  # shape keys packed so far, per budget (what), reused by `pack`
-        self.tx, self.schedule = make_optimizer(self.optim, self.total_steps)
+        # the chain's parts: the offloaded step runs them itself, one parameter at a time (jaxppo/offload.py)
+        self.tx_parts, self.schedule = optimizer_parts(self.optim, self.total_steps)
+        self.tx = optax.chain(*self.tx_parts)
         m = self.mesh.shape
         self.batch_shards = m["data"] * m["fsdp"]
         if self.fsdp_gather not in FSDP_GATHER:

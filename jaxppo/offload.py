@@ -1,9 +1,11 @@
 """Host offload of the optimizer state (`actor.optimizer_offload`, `critic.optimizer_offload`; verl's
 `fsdp_config.optimizer_offload`): AdamW's moments live in the host's pinned memory (JAX memory kind
 `pinned_host`) between updates, so a full-parameter run keeps only its fp32 weights on the device while it
-generates, scores and runs its forward passes. The update brings the moments to the device inside the compiled
-update program, steps, and writes them back (XLA schedules the transfers; each leaf is its own transfer, so they can
-overlap the other leaves' arithmetic).
+generates, scores and runs its forward passes. The optimizer step inside the compiled update program (`step`) goes one
+parameter at a time: it brings that parameter's moments to the device, steps it, and sends them back before the next
+parameter's come in (an optimization barrier orders each fetch after the previous store), so the card holds one
+parameter's moments at a time (Qwen2.5-7B: its largest stacked weight, 2 x 7.6 GB) instead of all of them (61 GB).
+Gradient clipping, which needs the norm over every gradient, runs first on the whole tree.
 
 What stays on the device: the parameters, the gradients and the optimizer's scalars (its step count). The memory
 plan counts the offloaded bytes against the host's RAM (`host_bytes`) instead of the card (`device_bytes` skips
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import optax
 
 HOST = "pinned_host"
 
@@ -31,16 +34,43 @@ def to_host(shardings: Any, params_like: Any) -> Any:
     return jax.tree.map(lambda s, p: s.with_memory_kind(HOST) if p else s, shardings, params_like)
 
 
-def fetch(tree: Any, shardings: Any) -> Any:
-    """Inside a compiled program: the leaves of `tree` whose sharding (`shardings`, the same structure) is in
-    host memory, brought to the device."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")) if is_host(s) else x,
-                        tree, shardings)
+def step(parts: tuple[optax.GradientTransformation, optax.GradientTransformation], grads: Any, opt_state: Any,
+         params: Any, shardings: Any) -> tuple[Any, Any]:
+    """Inside a compiled program: one step of `optax.chain(*parts)` (the clip on the whole tree, then the elementwise
+    optimizer) with `opt_state`'s host-resident moments streamed through the device one parameter at a time.
+    Returns (new params, new state); the same arithmetic as `tx.update` + `optax.apply_updates` on the whole tree."""
+    clip, inner = parts
+    clip_state, inner_state = opt_state
+    grads, clip_state = clip.update(grads, clip_state, params)
+    treedef = jax.tree.structure(params)
+    shaped = lambda x: jax.tree.structure(x) == treedef  # noqa: E731 - a params-shaped part of the state (a moment)
+    flat, state_def = jax.tree.flatten(inner_state, is_leaf=shaped)
+    flat_sh = jax.tree.flatten(shardings[1], is_leaf=shaped)[0]
+    cols = [treedef.flatten_up_to(x) if shaped(x) else None for x in flat]  # per state part: its leaves, in order
+    col_sh = [treedef.flatten_up_to(s) if c is not None else None for c, s in zip(cols, flat_sh)]
+    p_leaves, g_leaves = treedef.flatten_up_to(params), treedef.flatten_up_to(grads)
+    new_p, new_cols, stored = [], [[] for _ in flat], None
+    for k, (p, g) in enumerate(zip(p_leaves, g_leaves)):
+        mine = [c[k] for c in cols if c is not None]
+        if stored is not None:  # this parameter's moments come in after the previous one's went out
+            mine, p, g, _ = jax.lax.optimization_barrier((mine, p, g, stored))
+        it = iter(mine)
+        sub = [[_device(next(it), sh[k])] if c is not None else x for c, sh, x in zip(cols, col_sh, flat)]
+        update, sub = inner.update([g], jax.tree.unflatten(state_def, sub), [p])
+        new_p.append(optax.apply_updates([p], update)[0])
+        stored = []
+        for i, x in enumerate(jax.tree.flatten(sub, is_leaf=lambda x: isinstance(x, list))[0]):
+            if cols[i] is None:
+                new_cols[i] = x  # the step count: every parameter's step counts from the same one
+                continue
+            new_cols[i].append(jax.device_put(x[0], col_sh[i][k]) if is_host(col_sh[i][k]) else x[0])
+            stored.append(new_cols[i][-1])
+    parts_out = [treedef.unflatten(c) if cols[i] is not None else c for i, c in enumerate(new_cols)]
+    return treedef.unflatten(new_p), (clip_state, jax.tree.unflatten(state_def, parts_out))
 
 
-def store(tree: Any, shardings: Any) -> Any:
-    """Inside a compiled program: the leaves of `tree` whose sharding in `shardings` is in host memory, sent back."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, s) if is_host(s) else x, tree, shardings)
+def _device(x: Any, sharding: Any) -> Any:
+    return jax.device_put(x, sharding.with_memory_kind("device")) if is_host(sharding) else x
 
 
 def host_bytes(tree: Any) -> int:
@@ -56,4 +86,4 @@ def host_bytes(tree: Any) -> int:
     return total
 
 
-__all__ = ["HOST", "is_host", "to_host", "fetch", "store", "host_bytes"]
+__all__ = ["HOST", "is_host", "to_host", "step", "host_bytes"]

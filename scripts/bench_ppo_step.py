@@ -81,6 +81,34 @@ def benchmark_tokenizer(out: Path, vocab_size: int) -> Path:
     return out
 
 
+def offload_traffic(trainer, cfg) -> dict[str, float]:
+    """What the optimizer offload moves per PPO step (each optimizer step brings every offloaded moment to the device
+    and sends it back: jaxppo/offload.py), and the link's rate measured now in this process (1 GiB each way, pinned
+    host memory, median of 3): the transfers' time at that rate, against the step's update phases."""
+    import jax
+    import jax.numpy as jnp
+
+    moved = 0.0
+    for name, sub in (("actor", cfg.actor), ("critic", cfg.critic)):
+        held = trainer.plan.host.get(f"{name} AdamW moments", 0)
+        moved += 2 * held * sub.ppo_epochs * (cfg.data.train_batch_size // sub.ppo_mini_batch_size)
+    dev = jax.local_devices()[0]
+    device = jax.sharding.SingleDeviceSharding(dev)
+    host = device.with_memory_kind("pinned_host")
+    x = jax.device_put(jnp.zeros((2**28,), jnp.float32), device).block_until_ready()  # 1 GiB
+    rates = {}
+    for way, src, dst in (("d2h", x, host), ("h2d", jax.device_put(x, host).block_until_ready(), device)):
+        times = []
+        for _ in range(4):
+            t = time.perf_counter()
+            jax.device_put(src, dst).block_until_ready()
+            times.append(time.perf_counter() - t)
+        rates[way] = 2**30 / median(times[1:]) / 1e9
+    return {"host_gb": sum(trainer.plan.host.values()) / 2**30, "moved_gb_per_step": moved / 2**30,
+            "link_h2d_GBps": rates["h2d"], "link_d2h_GBps": rates["d2h"],
+            "transfer_s_at_link_rate": moved / 2 / 1e9 / rates["h2d"] + moved / 2 / 1e9 / rates["d2h"]}
+
+
 def median(xs):
     import numpy as np
 
@@ -187,6 +215,8 @@ def main(argv=None) -> int:
                "vllm_utilization": trainer.vllm_utilization,
                "vllm_sequences_at_once": trainer.plan.vllm.sequences if trainer.plan.vllm else None,
                "token_budgets": vars(trainer.ctx.budgets) if trainer.ctx.budgets else None}
+    if trainer.plan.host:
+        summary["offload"] = offload_traffic(trainer, cfg)
     if not args.no_standalone:
         # standalone generation as the loop generates, nothing else running: each repeat woken from sleep with
         # the weights pushed (as every step), then new prompts of the same lengths (the prefix cache holds none
@@ -261,6 +291,8 @@ def main(argv=None) -> int:
     print("  memory held by the states (GiB per device): " + ", ".join(
         f"{k} {v:.2f}" for k, v in summary["memory_held_gb"].items()))
     print(f"  start: {json.dumps(start)}")
+    if "offload" in summary:
+        print(f"  offload: {json.dumps(summary['offload'])}")
     if "gen_in_loop_over_standalone" in summary:
         print(f"  generation in loop {summary['gen_in_loop_tokens_per_s']:.0f} tok/s, standalone "
               f"{summary['gen_standalone_tokens_per_s']:.0f} tok/s, ratio {summary['gen_in_loop_over_standalone']:.3f}"
@@ -283,6 +315,7 @@ def main(argv=None) -> int:
                   "gen_standalone_all_logprobs_tokens_per_s", "compiles_constant_after_step3", "memory_estimate_gb"):
             if k in summary:
                 figures[k] = summary[k]
+        figures.update({f"offload/{k}": v for k, v in summary.get("offload", {}).items()})
         row = ledger.make_row("ppo_step", figures, config=args.config, overrides=list(args.overrides),
                               samples={"steps": len(keep), "standalone_generations": len(
                                   summary.get("gen_standalone_repeats", []))}, shape=args.shape, start=start,
