@@ -49,24 +49,74 @@ def step(parts: tuple[optax.GradientTransformation, optax.GradientTransformation
     cols = [treedef.flatten_up_to(x) if shaped(x) else None for x in flat]  # per state part: its leaves, in order
     col_sh = [treedef.flatten_up_to(s) if c is not None else None for c, s in zip(cols, flat_sh)]
     p_leaves, g_leaves = treedef.flatten_up_to(params), treedef.flatten_up_to(grads)
+    is_moment = [c is not None for c in cols]
     new_p, new_cols, stored = [], [[] for _ in flat], None
     for k, (p, g) in enumerate(zip(p_leaves, g_leaves)):
         mine = [c[k] for c in cols if c is not None]
         if stored is not None:  # this parameter's moments come in after the previous one's went out
             mine, p, g, _ = jax.lax.optimization_barrier((mine, p, g, stored))
-        it = iter(mine)
-        sub = [[_device(next(it), sh[k])] if c is not None else x for c, sh, x in zip(cols, col_sh, flat)]
-        update, sub = inner.update([g], jax.tree.unflatten(state_def, sub), [p])
-        new_p.append(optax.apply_updates([p], update)[0])
-        stored = []
-        for i, x in enumerate(jax.tree.flatten(sub, is_leaf=lambda x: isinstance(x, list))[0]):
-            if cols[i] is None:
-                new_cols[i] = x  # the step count: every parameter's step counts from the same one
-                continue
-            new_cols[i].append(jax.device_put(x[0], col_sh[i][k]) if is_host(col_sh[i][k]) else x[0])
-            stored.append(new_cols[i][-1])
+        sh = [s[k] for s in col_sh if s is not None]
+        p, moments, scalars = _leaf_step(inner, state_def, is_moment, flat, p, g,
+                                         [_device(x, s) for x, s in zip(mine, sh)], sh[0] if sh else None)
+        new_p.append(p)
+        stored = [jax.device_put(x, s) if is_host(s) else x for x, s in zip(moments, sh)]
+        it, its = iter(stored), iter(scalars)
+        for i, m in enumerate(is_moment):
+            if m:
+                new_cols[i].append(next(it))
+            else:
+                new_cols[i] = next(its)  # the step count: every parameter's step counts from the same one
     parts_out = [treedef.unflatten(c) if cols[i] is not None else c for i, c in enumerate(new_cols)]
     return treedef.unflatten(new_p), (clip_state, jax.tree.unflatten(state_def, parts_out))
+
+
+def _leaf_step(inner: optax.GradientTransformation, state_def: Any, is_moment: list[bool], flat: list[Any], p: Any,
+               g: Any, moments: list[Any], sharding: Any) -> tuple[Any, list[Any], list[Any]]:
+    """One parameter's step on the device: (new parameter, its new moments, the state's new scalars). A parameter
+    over CHUNK_BYTES steps a slice at a time, written back in place, so the step holds the parameter, its gradient
+    and its moments, and a slice's worth of intermediates (XLA does not update a whole leaf's moments in place)."""
+
+    def run(p, g, moments):
+        it = iter(moments)
+        sub = [[next(it)] if m else x for m, x in zip(is_moment, flat)]
+        update, sub = inner.update([g], jax.tree.unflatten(state_def, sub), [p])
+        out = jax.tree.flatten(sub, is_leaf=lambda x: isinstance(x, list))[0]
+        return (optax.apply_updates([p], update)[0], [x[0] for m, x in zip(is_moment, out) if m],
+                [x for m, x in zip(is_moment, out) if not m])
+
+    axis, size = _slices(p, sharding)
+    if axis is None:
+        return run(p, g, moments)
+
+    def body(i, carry):
+        p, moments, _ = carry
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, i * size, size, axis)  # noqa: E731
+        new_p, new_moments, scalars = run(take(p), take(g), [take(m) for m in moments])
+        put = lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, v, i * size, axis)  # noqa: E731
+        return put(p, new_p), [put(m, v) for m, v in zip(moments, new_moments)], scalars
+
+    scalars = [x for m, x in zip(is_moment, flat) if not m]
+    return jax.lax.fori_loop(0, p.shape[axis] // size, body, (p, moments, scalars))
+
+
+CHUNK_BYTES = 256 << 20  # the slice a large parameter steps at a time (module-level: tests shrink it)
+
+
+def _slices(p: Any, sharding: Any) -> tuple[int | None, int]:
+    """(axis, slice length) to step `p` by: its first axis no mesh axis shards, the longest slice that divides it
+    within CHUNK_BYTES; (None, 0) when `p` is small enough to step whole."""
+    import numpy as np
+
+    nbytes = int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
+    if nbytes <= CHUNK_BYTES:
+        return None, 0
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    for axis, n in enumerate(p.shape):
+        if n > 1 and (axis >= len(spec) or spec[axis] is None):
+            per = nbytes // n
+            size = max((d for d in range(1, n + 1) if n % d == 0 and d * per <= CHUNK_BYTES), default=1)
+            return (axis, size) if size < n else (None, 0)
+    return None, 0
 
 
 def _device(x: Any, sharding: Any) -> Any:

@@ -17,7 +17,11 @@ from tests.engine_case import R_LEN, make_batch
 
 
 @pytest.mark.parametrize("mesh_axes", [{"data": -1}, {"data": 2, "fsdp": 4}], ids=["data8", "data2_fsdp4"])
-def test_three_updates_with_the_optimizer_state_offloaded_equal_those_without(tiny_qwen, mesh_axes):
+def test_three_updates_with_the_optimizer_state_offloaded_equal_those_without(tiny_qwen, mesh_axes, monkeypatch):
+    from jaxppo import offload
+
+    # parameters over 16 KiB step a slice at a time (a 7B's stacked layers: 256 MiB), the rest whole: both paths
+    monkeypatch.setattr(offload, "CHUNK_BYTES", 16 << 10)
     mesh = make_mesh(mesh_axes)
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0, eps=1e-3)
     acfg = ActorConfig(ppo_micro_batch_size_per_device=1, log_prob_micro_batch_size_per_device=1, optim=optim,
@@ -28,6 +32,8 @@ def test_three_updates_with_the_optimizer_state_offloaded_equal_those_without(ti
         actor = ActorEngine(module, mesh, acfg, R_LEN)
         actor.optimizer_offload = offloaded
         state = actor.init_state(params)
+        sliced = [offload._slices(p, p.sharding)[0] is not None for p in jax.tree.leaves(state.params)]
+        assert any(sliced) and not all(sliced)
         moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
         assert moments and all(is_host(x) == offloaded for x in moments)
         for seed in range(3):
