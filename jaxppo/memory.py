@@ -290,13 +290,15 @@ def token_budgets(cfg: Any, actor: ModelConfig, critic: ModelConfig | None, shar
 
 def held_bytes(tree: Any, device: Any = None) -> int:
     """Bytes of the distinct device buffers behind `tree`'s arrays on `device` (default: the first local one): what
-    a state really holds there, an array and its views counted once."""
+    a state really holds there, an array and its views counted once; arrays in host memory are not counted."""
     import jax
+
+    from jaxppo.offload import is_host
 
     device = device or jax.local_devices()[0]
     seen = {}
     for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array):
+        if isinstance(x, jax.Array) and not is_host(x):  # host-resident (offloaded) leaves: not the device's
             for shard in x.addressable_shards:
                 if shard.device == device:
                     seen[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes

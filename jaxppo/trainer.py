@@ -264,14 +264,18 @@ class PPOTrainer:
     def held_memory(self) -> dict[str, int]:
         """Bytes the run's states hold on the first local device, by component (the measured side of the memory
         plan's fixed components; activations and gradients come and go inside the jitted steps)."""
+        from jaxppo.offload import host_bytes
+
         s, ctx = self.state, self.ctx
-        out = {"actor (trained params + AdamW)": memory.held_bytes((s.actor.params, s.actor.opt_state))}
-        if ctx.actor.frozen is not None:
-            out["actor base (frozen)"] = memory.held_bytes(ctx.actor.frozen)
-        if s.critic is not None:
-            out["critic (trained params + AdamW)"] = memory.held_bytes((s.critic.params, s.critic.opt_state))
-            if ctx.critic.frozen is not None:
-                out["critic base (frozen)"] = memory.held_bytes(ctx.critic.frozen)
+        out = {}
+        for name, sub, engine in (("actor", s.actor, ctx.actor), ("critic", s.critic, ctx.critic)):
+            if sub is None:
+                continue
+            out[f"{name} (trained params + AdamW)"] = memory.held_bytes((sub.params, sub.opt_state))
+            if engine.frozen is not None:
+                out[f"{name} base (frozen)"] = memory.held_bytes(engine.frozen)
+            if host_bytes(sub.opt_state):  # offloaded (jaxppo/offload.py): in this host's memory, not the card's
+                out[f"{name} AdamW moments (host memory)"] = host_bytes(sub.opt_state)
         if s.ref_params is not None:
             out["reference"] = memory.held_bytes(s.ref_params)
         return out

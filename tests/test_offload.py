@@ -99,3 +99,9 @@ def test_a_run_with_offload_checkpoints_and_resumes_with_the_moments_still_on_th
             assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(opt) if x.ndim > 0)
             same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), b)), opt, before[k])
             assert all(jax.tree.leaves(same))
+        # what the states hold: the moments counted in host memory, as the plan counts them, not on the card
+        held, plan = trainer.held_memory(), trainer.plan
+        for k in ("actor", "critic"):
+            assert held[f"{k} AdamW moments (host memory)"] == plan.host[f"{k} AdamW moments"]
+            assert held[f"{k} (trained params + AdamW)"] == pytest.approx(
+                sum(x.nbytes for x in jax.tree.leaves(getattr(trainer.state, k).params)), abs=64)
