@@ -164,7 +164,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     d, r = cfg.data, cfg.rollout
     margin = int(cfg.trainer.memory_margin_gb * GiB)
     states = build.state_bytes()
-    check_host(build.host_state_bytes())
+    check_host(build.host_state_bytes(), int(cfg.trainer.host_memory_gb * GiB) or None)  # 0: this host's own
     resident = sum(states.values())
     vllm = r.engine == "vllm" and card is not None
     step_seqs = d.train_batch_size * r.n

@@ -302,7 +302,7 @@ def greedy_baselines(ctx: StepContext, rows: np.ndarray, prompts: list[np.ndarra
 
 def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer: Timer,
            interrupt: Callable[[], None] = lambda: None,
-           draw: Callable[[], np.ndarray] | None = None) -> tuple[Sampled, dict[str, float]]:
+           draw: Callable[[], np.ndarray] | None = None, push: bool = True) -> tuple[Sampled, dict[str, float]]:
     """Generate and score this process's share of the step's prompts (`rows`: the global batch's dataset rows),
     the scores shaped by DAPO's overlong penalty if enabled (`reward.overlong_buffer`).
 
@@ -311,7 +311,8 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
     rounds (`draw()`: the next round's rows) run until every process holds its share of `data.train_batch_size`
     prompts with signal (the processes decide together, so they draw the same rounds), at most
     `max_num_gen_batches` rounds; then the batch is filled with dropped groups. Returns (this process's samples
-    for the step, global `batch/*` metrics)."""
+    for the step, global `batch/*` metrics). `push=False`: the engine is awake with the weights to sample with
+    already pushed (rollouts one step ahead, jaxppo/ahead.py); `state` is then not read."""
     cfg = ctx.cfg
     fg = cfg.algorithm.filter_groups
     want = dist.share(cfg.data.train_batch_size, "prompts of data.train_batch_size")
@@ -320,7 +321,7 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
     kept: list[Sampled] = []
     spare: list[Sampled] = []
     generated = dropped = filled = rounds = 0
-    with awake(ctx, state.actor.params, timer):
+    with awake(ctx, state.actor.params, timer) if push else contextlib.nullcontext():
         while True:
             mine = rows[dist.share(len(rows), "prompts of a generation round")]
             prompts = [ctx.train_ds.input_ids[i] for i in mine]
@@ -371,15 +372,17 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
     return out, metrics
 
 
-def collect(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer: Timer,
+def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: int, timer: Timer,
             interrupt: Callable[[], None] = lambda: None,
-            draw: Callable[[], np.ndarray] | None = None) -> tuple[PPOState, Experience]:
+            draw: Callable[[], np.ndarray] | None = None,
+            sampled: tuple[Sampled, dict[str, float]] | None = None) -> tuple[PPOState, Experience]:
     """gen -> reward -> old / ref log-probs, values -> advantages for the global batch `rows` (dataset rows of
-    the step's prompts; this process generates for its share; `draw`: further rounds of dynamic sampling).
+    the step's prompts; this process generates for its share; `draw`: further rounds of dynamic sampling), or for
+    the batch already `sampled` (rollouts one step ahead: jaxppo/ahead.py).
     `interrupt()` is called between phases (it raises to abandon the step)."""
     cfg = ctx.cfg
     budgets = ctx.budgets
-    got, batch_metrics = sample(ctx, state, rows, step, timer, interrupt, draw)
+    got, batch_metrics = sampled or sample(ctx, state, rows, step, timer, interrupt, draw)
     rows, prompts, ro, scores, reward_counts = got.rows, got.prompts, got.rollouts, got.scores, got.counts
     mine = dist.share(cfg.data.train_batch_size, "prompts of data.train_batch_size")
     interrupt()

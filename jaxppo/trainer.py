@@ -28,6 +28,7 @@ from jaxppo.errors import ConfigError
 from jaxppo.health import HealthMonitor
 from jaxppo.metrics import MetricsLogger
 from jaxppo.models import load_model, save_hf_checkpoint
+from jaxppo.ahead import Ahead
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights
 from jaxppo.rewards import custom as custom_reward
@@ -114,6 +115,8 @@ class PPOTrainer:
         self._profiling = False
         self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", t.max_to_keep)
         self._saved_step: int | None = None  # the step this process last checkpointed
+        # rollouts one step ahead (jaxppo/ahead.py): the batch in flight, generated while the step trains
+        self.ahead = Ahead(self.ctx) if t.async_rollout else None
         self._maybe_resume()
         if self.main:  # only once setup and resume succeeded: a failed start leaves the run's record as it was
             write_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
@@ -179,7 +182,8 @@ class PPOTrainer:
     def _meta(self) -> dict[str, Any]:
         return {"step": self.step, "kl_coef": float(self.state.kl_coef), "sampler": self.sampler.state(),
                 "seed": self.cfg.trainer.seed, "health": self.health.state(), "bad_steps": self.bad_steps,
-                "best_val": self.best_val, "vals_since_best": self.vals_since_best}
+                "best_val": self.best_val, "vals_since_best": self.vals_since_best,
+                "ahead": self.ahead.state() if self.ahead is not None else None}
 
     def save_checkpoint(self) -> None:
         """Checkpoint the current step (once: a stop right after a cadence save writes nothing more). A step on
@@ -206,11 +210,14 @@ class PPOTrainer:
         if mode == "auto" or self.checkpointer.directory in (Path(mode).absolute(), Path(mode).absolute().parent):
             self._saved_step = self.step  # the step is on disk in this run's checkpoints: not written again
         self.sampler.load_state(meta["sampler"])
+        if self.ahead is not None:  # the batch that was in flight (None from a synchronous run's checkpoint)
+            self.ahead.load_state(meta.get("ahead"))
         if "health" in meta:
             self.health.load_state(meta["health"])
             self.bad_steps, self.vals_since_best = int(meta["bad_steps"]), int(meta["vals_since_best"])
             self.best_val = meta["best_val"]
-        log.info("resumed from step %d", self.step)
+        log.info("resumed from step %d%s", self.step, ", the next step's batch as it was in flight (rollouts one "
+                 "step ahead)" if meta.get("ahead") and self.ahead is not None else "")
 
     # ------------------------------------------------------------------ one step
 
@@ -234,12 +241,16 @@ class PPOTrainer:
         gc_s, gc_full = self.gc_clock.seconds, self.gc_clock.collections[2]
         try:
             with timer("step"):
-                rows = self.sampler.next_batch()
-                state, exp = ppo_step.collect(self.ctx, self.state, rows, self.step, timer, self._interrupt_point,
-                                              draw=self.sampler.next_batch)
+                if self.ahead is not None:
+                    state, exp = self._collect_ahead(timer)
+                else:
+                    rows = self.sampler.next_batch()
+                    state, exp = ppo_step.collect(self.ctx, self.state, rows, self.step, timer,
+                                                  self._interrupt_point, draw=self.sampler.next_batch)
                 found = self.health.decide(exp.metrics, "pre")
                 skip = any(f.action in ("skip_update", "stop") for f in found)
-                self._interrupt_point()
+                if self.ahead is None:
+                    self._interrupt_point()
                 update_metrics: dict[str, float] = {}
                 if not skip:
                     state, update_metrics = ppo_step.update(self.ctx, state, exp, self.step, timer)
@@ -255,6 +266,22 @@ class PPOTrainer:
         metrics["perf/gc_s"] = self.gc_clock.seconds - gc_s
         metrics["perf/gc_full_collections"] = float(self.gc_clock.collections[2] - gc_full)
         return metrics
+
+    def _collect_ahead(self, timer: Timer):
+        """One step ahead (jaxppo/ahead.py): this step's batch, sampled during the previous step (or now, on the
+        first), then the next step's launched with the current weights before this one trains. A stop signal ends
+        the run at the step's end: the next batch is already being generated, and the checkpoint stores it."""
+        ahead = self.ahead
+        if not ahead.in_flight:
+            for k, v in ahead.launch(self.state, self.sampler.next_batch(), self.step).items():
+                timer.times[k] = timer.times.get(k, 0.0) + v
+        batch, waited = ahead.take(self.step)
+        timer.times.update(batch.times)  # the generation's own phases (gen, reward), run in the background
+        timer.times["timing_s/gen_wait"] = waited
+        if self.step + 1 < self.total_steps:
+            for k, v in ahead.launch(self.state, self.sampler.next_batch(), self.step + 1).items():
+                timer.times[k] = timer.times.get(k, 0.0) + v
+        return ppo_step.collect(self.ctx, self.state, None, self.step, timer, sampled=(batch.sampled, batch.metrics))
 
     @property
     def memory_estimate(self):
@@ -365,6 +392,8 @@ class PPOTrainer:
         """Gives back what the trainer holds of the process: the objects that setup froze out of the garbage
         collector go back to it (`gc.unfreeze()`, as vLLM's engine does at shutdown), so that a later trainer
         in the same process (tests, notebooks, sweeps) does not keep this one's cyclic garbage for good."""
+        if self.ahead is not None:
+            self.ahead.close()
         gc.unfreeze()
 
     def __enter__(self) -> "PPOTrainer":
@@ -419,6 +448,8 @@ class PPOTrainer:
         done = self.step >= self.total_steps
         stop = [f for f in found if f.action == "stop"]
         if t.test_freq > 0 and (self.step % t.test_freq == 0 or done) and not self._stop_requested():
+            if self.ahead is not None:
+                self.ahead.wait()  # the engine generates one batch at a time: the one in flight first
             val = self.validate()
             metrics.update(val)
             if self._early_stop(val):

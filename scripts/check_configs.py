@@ -33,6 +33,7 @@ CHECKS = [
     ("qwen2.5-7b-lora", "configs/gsm8k_qwen2.5_7b_lora.yaml", "qwen2.5-7b", []),
     ("qwen2.5-7b", "configs/gsm8k_qwen2.5_7b.yaml", "qwen2.5-7b", []),
     ("grpo-qwen2.5-7b", "configs/gsm8k_grpo_qwen2.5_7b.yaml", "qwen2.5-7b", []),
+    ("qwen2.5-7b-offload", "configs/gsm8k_qwen2.5_7b_offload.yaml", "qwen2.5-7b", []),
     ("grpo-qwen2.5-0.5b", "configs/gsm8k_grpo_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),
     ("grpo-qwen2.5-1.5b", "configs/gsm8k_grpo_qwen2.5_1.5b.yaml", "qwen2.5-1.5b", []),
     ("dapo-qwen2.5-0.5b", "configs/gsm8k_dapo_qwen2.5_0.5b.yaml", "qwen2.5-0.5b", []),

@@ -74,6 +74,9 @@ def test_the_plan_counts_the_moments_on_the_host_and_refuses_what_the_host_canno
     with pytest.raises(ConfigError, match="more than 90%.*optimizer_offload"):
         check_host(off.host, available=moved)
     check_host(off.host, available=10 * moved)
+    # trainer.host_memory_gb stands for the host's RAM, as trainer.device_memory_gb for the card's
+    with pytest.raises(ConfigError, match=r"more than 90% of the 0.0 GiB"):
+        prep("actor.optimizer_offload=true", "trainer.host_memory_gb=0.00001")
 
 
 def test_a_run_with_offload_checkpoints_and_resumes_with_the_moments_still_on_the_host(tmp_path, one_device):

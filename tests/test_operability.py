@@ -197,9 +197,13 @@ def test_health_monitor_reports_once_per_episode():
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "rollouts_one_step_ahead"])
+def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path, ahead):
+    """Stopped by SIGTERM, the run writes a checkpoint and the same command resumes it: the steps after it equal
+    those of a run never stopped. One step ahead (trainer.async_rollout) a batch is in flight at every stop; the
+    checkpoint stores it and the resumed run trains on it (generating it again would sample with other weights)."""
     common = [*FAST, "trainer.total_training_steps=5", "trainer.save_freq=-1", "trainer.test_freq=-1",
-              "trainer.seed=5", "trainer.sft_warmup_steps=0"]
+              "trainer.seed=5", "trainer.sft_warmup_steps=0", f"trainer.async_rollout={str(ahead).lower()}"]
     straight = tmp_path / "straight"
     run_train(straight, *common)
     run = tmp_path / "stopped"
@@ -213,6 +217,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path):
     assert len(ckpts) == 1 and 2 <= ckpts[0] < 5, ckpts
     res = run_train(run, *common)
     assert assert_resumed_at_checkpoint(run, res.stderr + res.stdout) == ckpts[0]
+    assert ("the next step's batch as it was in flight" in res.stderr + res.stdout) == ahead
     a, b = read_metrics(straight), read_metrics(run)
     assert sorted(b) == [0, 1, 2, 3, 4, 5]
     for step in range(ckpts[0] + 1, 6):

@@ -30,6 +30,9 @@ class HFEngine:
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
+        # copy the pushed weights instead of viewing them: set by rollouts one step ahead (jaxppo/ahead.py), which
+        # generate while the trainer's update donates the buffers the views would alias
+        self.copy_weights = False
 
     def update_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
         params = dict(self.model.named_parameters())
@@ -43,7 +46,7 @@ class HFEngine:
             p = params[name]
             if view.shape != p.shape or view.dtype != p.dtype:
                 raise ValueError(f"{name}: got {tuple(view.shape)} {view.dtype}, engine has {tuple(p.shape)} {p.dtype}")
-            p.data = view
+            p.data = view.clone() if self.copy_weights else view
             seen.add(name)
         missing = set(params) - seen
         if missing:

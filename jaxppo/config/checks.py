@@ -53,6 +53,9 @@ def trained_models(cfg: Config) -> tuple[tuple[str, Any], ...]:
 def validate_processes(cfg: Config, processes: int) -> None:
     """What several processes need: every batch splits evenly over them."""
     d = cfg.data
+    if cfg.trainer.async_rollout and processes > 1:
+        raise ConfigError(f"trainer.async_rollout runs in one process ({processes} here): its rollout thread and "
+                          "the processes' collectives would interleave")
     if d.train_batch_size % processes:
         raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) does not split over {processes} processes")
     if d.gen_batch_size % processes:
@@ -347,6 +350,9 @@ def _check_trainer(cfg: Config) -> None:
            "trainer.early_stop_patience needs validation: set trainer.test_freq > 0")
     _check(t.early_stop_patience >= 0, "trainer.early_stop_patience must be >= 0")
     _check(all(s >= 1 for s in t.profile_steps), "trainer.profile_steps are 1-based step numbers")
+    _check(not (t.async_rollout and cfg.algorithm.filter_groups.enable),
+           "trainer.async_rollout with algorithm.filter_groups.enable: dynamic sampling's further generation rounds "
+           "depend on the step's scores; use one or the other")
     _check(cfg.mesh.fsdp_gather == "layer" or cfg.mesh.tensor == 1, "mesh.fsdp_gather=update needs mesh.tensor=1")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +123,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
-    cfg = _to_dataclass(Config, OmegaConf.to_container(merged, resolve=True))
+    cfg = _implied(_to_dataclass(Config, OmegaConf.to_container(merged, resolve=True)))
     from jaxppo.config.checks import validate
 
     validate(cfg)
+    return cfg
+
+
+def _implied(cfg: Config) -> Config:
+    """Settings one key implies when the user set none of their own: rollouts one step ahead
+    (`trainer.async_rollout`) are one step off-policy, so without a correction of the user's they get verl's
+    token-level truncated importance weights (`algorithm.rollout_correction.rollout_is=token`, threshold 2.0)."""
+    a = cfg.algorithm
+    rc = a.rollout_correction
+    if cfg.trainer.async_rollout and rc.rollout_is is None and rc.rollout_rs is None and not rc.bypass_mode \
+            and cfg.actor.tis_threshold is None:
+        logging.getLogger("jaxppo").info("trainer.async_rollout: the one-step-off batches are corrected with "
+                                         "algorithm.rollout_correction.rollout_is=token (threshold %s)",
+                                         rc.rollout_is_threshold)
+        rc = dataclasses.replace(rc, rollout_is="token")
+        cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(a, rollout_correction=rc))
     return cfg
 
 

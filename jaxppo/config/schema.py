@@ -288,6 +288,10 @@ class TrainerConfig:
     # compile the step's programs, print the memory plan and exit (0 fits, 2 does not) without starting the
     # rollout engine, allocating states or creating the run directory
     plan_only: bool = False
+    # rollouts one step ahead (jaxppo/ahead.py): the engine, kept awake, generates step k+1's batch with the weights
+    # of step k while JAX trains on step k's; the data is one step off-policy, corrected by
+    # algorithm.rollout_correction (token-level truncated IS at 2.0 when none is set)
+    async_rollout: bool = False
     compilation_cache_dir: str = "~/.cache/jaxppo/xla"  # JAX's persistent compilation cache ("": off)
     critic_warmup: int = 0  # steps updating only the critic
     sft_warmup_steps: int = 0  # supervised warm start steps on extra_info.answer (synthetic task); with

@@ -133,6 +133,13 @@ TABLE: list[tuple[str, str, str]] = [
     ("trainer.max_critic_ckpt_to_keep", "trainer.max_to_keep", "actor and critic together"),
     ("trainer.log_val_generations", IGNORED, "validation writes every generation to the run directory"),
     ("trainer.device", IGNORED, "JAX's default backend"),
+    # verl 0.9.1's asynchronous training (experimental fully_async_policy; its one_step_off_policy recipe lives in
+    # verl's repository, not the package): jaxppo's trainer.async_rollout is one step ahead on the same devices
+    ("async_training.staleness_threshold", UNSUPPORTED, "trainer.async_rollout=true: rollouts exactly one step "
+     "ahead on the same devices (verl's one-step-off recipe), corrected by algorithm.rollout_correction"),
+    ("async_training.trigger_parameter_sync_step", UNSUPPORTED, "trainer.async_rollout=true pushes the weights "
+     "after every update (verl's one-step-off recipe)"),
+    ("async_training.partial_rollout", UNSUPPORTED, "trainer.async_rollout=true generates whole batches"),
     ("algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.bypass_mode",
      "the engine's log-probs as the old policy's, no recomputation; rollout_is / rollout_rs computed in the loss "
      "from the current policy (jaxppo/ppo/bypass.py); rollout_is_batch_normalize there exits 2"),

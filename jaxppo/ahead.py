@@ -1,0 +1,134 @@
+"""Rollouts one step ahead (`trainer.async_rollout`; verl's one-step-off-policy recipe, here on the same GPU).
+
+The synchronous step generates its batch with the weights it then trains. One step ahead, the rollout engine stays
+awake and generates step k+1's batch in a background thread, with the weights of step k pushed just before, while
+the trainer scores step k's batch, runs its forward passes and updates; step k+1 then takes that batch (waiting for
+what is left of its generation) and launches step k+2's. Each batch is one update behind the weights that train on
+it: the engine's log-probs are the behaviour policy's, corrected by `algorithm.rollout_correction` (token-level
+truncated importance weights when the config sets none: jaxppo/config/loading.py).
+
+    step k:   take batch k (sampled by theta_{k-1})  ->  push theta_k, launch batch k+1  ->  forward passes, update
+              on batch k -> theta_{k+1}
+
+The engine computes on its own copy of the pushed weights (vLLM: its parameters; the transformers engine is told to
+copy, since the update donates the buffers its views would alias). A checkpoint waits for the batch in flight and
+stores it (`state()` / `load_state()`: the batch, its rows and metrics), so a stopped run resumes exactly where it
+stopped: the first step after a resume takes the stored batch instead of generating another.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxppo.rollout import Rollouts, Sampled
+from jaxppo.step import PPOState, StepContext, Timer, sample
+
+
+@dataclasses.dataclass
+class Batch:
+    """A batch sampled ahead: for which step, its samples and `batch/*` metrics, its phases' timings."""
+
+    step: int
+    sampled: Sampled
+    metrics: dict[str, float]
+    times: dict[str, float]
+
+
+class Ahead:
+    """The batch in flight (at most one) and the thread that generates it."""
+
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxppo-rollout-ahead")
+        self._pending: concurrent.futures.Future | None = None
+        self._ready: Batch | None = None  # a batch restored from a checkpoint, or waited for
+        if hasattr(ctx.engine, "copy_weights"):  # the transformers engine: its views would alias donated buffers
+            ctx.engine.copy_weights = True
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None or self._ready is not None
+
+    def launch(self, state: PPOState, rows: np.ndarray, step: int) -> dict[str, float]:
+        """Push the actor's current weights into the (woken) engine, then generate and score `rows` as step `step`'s
+        batch in the background. Returns the push's timings (this thread's)."""
+        assert not self.in_flight, "one batch in flight at a time"
+        timer = Timer()
+        from jaxppo.models.hf_io import HFWeights
+
+        ctx = self.ctx
+        with timer("wake"):
+            ctx.engine.wake()
+        with timer("sync"):
+            weights = ctx.rollout_weights(state.actor.params) if ctx.rollout_weights else HFWeights(
+                state.actor.params, ctx.weights_dtype)
+            ctx.engine.update_weights(weights)
+        self._pending = self._pool.submit(self._sample, rows, step)
+        return timer.times
+
+    def _sample(self, rows: np.ndarray, step: int) -> Batch:
+        timer = Timer()
+        sampled, metrics = sample(self.ctx, None, rows, step, timer, push=False)
+        return Batch(step, sampled, metrics, timer.times)
+
+    def wait(self) -> None:
+        """Until the batch in flight is generated (it stays the next one to take); the engine is then free."""
+        if self._pending is not None:
+            self._ready, self._pending = self._pending.result(), None
+
+    def take(self, step: int) -> tuple[Batch, float]:
+        """The batch in flight for `step` and the seconds this thread waited for it."""
+        t0 = time.perf_counter()
+        self.wait()
+        batch, self._ready = self._ready, None
+        if batch is None or batch.step != step:
+            raise RuntimeError(f"rollouts ahead: the batch in flight is for step {batch and batch.step}, not {step}")
+        return batch, time.perf_counter() - t0
+
+    def state(self) -> dict[str, Any] | None:
+        """The batch in flight (waited for), as JSON for a checkpoint; None when there is none."""
+        self.wait()
+        b = self._ready
+        if b is None:
+            return None
+        s, ro = b.sampled, b.sampled.rollouts
+        return {"step": b.step, "rows": _enc(s.rows), "prompts": [_enc(p) for p in s.prompts],
+                "response_ids": _enc(ro.response_ids), "response_mask": _enc(ro.response_mask),
+                "logprobs": _enc(ro.logprobs), "finish_reasons": list(ro.finish_reasons),
+                "prompt_index": _enc(ro.prompt_index), "scores": _enc(s.scores),
+                "counts": {k: _enc(v) if isinstance(v, np.ndarray) else float(v) for k, v in s.counts.items()},
+                "metrics": b.metrics, "times": b.times}
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        """Restore the batch a checkpoint stored as in flight (None: nothing was)."""
+        self.wait()
+        self._ready = None
+        if state is None:
+            return
+        ro = Rollouts(_dec(state["response_ids"]), _dec(state["response_mask"]), _dec(state["logprobs"]),
+                      list(state["finish_reasons"]), _dec(state["prompt_index"]))
+        counts = {k: _dec(v) if isinstance(v, dict) else float(v) for k, v in state["counts"].items()}
+        sampled = Sampled(_dec(state["rows"]), [_dec(p) for p in state["prompts"]], ro, _dec(state["scores"]), counts)
+        self._ready = Batch(int(state["step"]), sampled, dict(state["metrics"]), dict(state["times"]))
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()
+
+
+def _enc(a: np.ndarray) -> dict[str, Any]:
+    """An array as JSON, exactly (floats through Python's float, which holds every float32 / float64 value)."""
+    a = np.asarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.ravel().tolist()}
+
+
+def _dec(d: dict[str, Any]) -> np.ndarray:
+    return np.asarray(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+
+
+__all__ = ["Ahead", "Batch"]

@@ -1,0 +1,72 @@
+"""Rollouts one step ahead (`trainer.async_rollout`, jaxppo/ahead.py): which weights generate which batch, and the
+config they imply. The stop-and-resume case is tests/test_operability.py's SIGTERM test, run both ways."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxppo.config import load_config
+from jaxppo.errors import ConfigError
+from tests.train_helpers import FAST, ROOT
+
+
+def norm_sum(named) -> float:
+    """A fingerprint of a set of weights: the sum of the final norm's weight (HF name model.norm.weight)."""
+    return float(np.sum(np.asarray(dict(named)["model.norm.weight"], np.float64)))
+
+
+def test_each_batch_is_generated_with_the_weights_of_the_step_before(tmp_path, one_device, monkeypatch):
+    """Every generation records the engine's weights; the trainer's weights are recorded before each step. One step
+    ahead, step 1's batch and step 2's are sampled by the initial weights, step k's (k >= 2) by the weights step k-1
+    trained with, and the importance weights of step 1 are 1 up to the engines' float32 difference (nothing is off-policy yet)."""
+    from bridge.engines.hf import HFEngine
+    from jaxppo.models.hf_io import HFWeights
+    from jaxppo.train import make_engine_factory
+    from jaxppo.trainer import PPOTrainer
+
+    seen = []
+    plain = HFEngine.generate
+
+    def generate(self, prompts, sampling):
+        seen.append(norm_sum((n, p.detach().numpy()) for n, p in self.model.named_parameters()))
+        return plain(self, prompts, sampling)
+
+    monkeypatch.setattr(HFEngine, "generate", generate)
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "trainer.sft_warmup_steps=0", "trainer.test_freq=-1",
+        "trainer.save_freq=-1", "trainer.total_training_steps=4", "trainer.async_rollout=true",
+        "actor.optim.lr=1e-2", "actor.optim.weight_decay=0.5"])  # weights that move: each step's are told apart
+    with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+        before, metrics = [], []
+        for _ in range(4):
+            before.append(norm_sum(HFWeights(trainer.state.actor.params, np.float32)))
+            metrics.append(trainer.train_step())
+        assert not trainer.ahead.in_flight  # nothing is launched past the last step
+    assert len(set(np.round(before, 6))) == 4  # four different weights
+    np.testing.assert_allclose(seen, [before[0], before[0], before[1], before[2]], rtol=0, atol=1e-5)
+    # step 1: the engine's and the trainer's log-probs of the same weights (fp32, transformers vs JAX)
+    dev = lambda m: max(m["rollout_corr/rollout_is_max"] - 1, 1 - m["rollout_corr/rollout_is_min"])  # noqa: E731
+    assert dev(metrics[0]) < 1e-5
+    assert all(dev(m) > 1e-3 for m in metrics[1:]), [dev(m) for m in metrics]  # one step off from then on
+    assert metrics[0]["timing_s/gen_wait"] > 0 and all("timing_s/gen" in m for m in metrics)
+
+
+def test_async_rollout_implies_a_correction_and_refuses_what_it_cannot_run():
+    base = ROOT / "configs" / "default.yaml"
+    rc = load_config(base, ["trainer.async_rollout=true"]).algorithm.rollout_correction
+    assert rc.rollout_is == "token" and rc.rollout_is_threshold == "2.0"  # verl's token-level truncated IS
+    assert load_config(base).algorithm.rollout_correction.rollout_is is None  # the synchronous run: unchanged
+    own = load_config(base, ["trainer.async_rollout=true", "algorithm.rollout_correction.rollout_rs=token_k1",
+                             "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"]).algorithm.rollout_correction
+    assert own.rollout_is is None and own.rollout_rs == "token_k1"  # the user's correction is theirs
+    bypass = load_config(base, ["trainer.async_rollout=true", "algorithm.rollout_correction.bypass_mode=true",
+                                "algorithm.adv_estimator=grpo", "rollout.n=2"]).algorithm.rollout_correction
+    assert bypass.bypass_mode and bypass.rollout_is is None
+    with pytest.raises(ConfigError, match="async_rollout.*filter_groups"):
+        load_config(base, ["trainer.async_rollout=true", "algorithm.filter_groups.enable=true",
+                           "algorithm.adv_estimator=grpo", "rollout.n=2"])
+    from jaxppo.config import validate_processes
+
+    with pytest.raises(ConfigError, match="one process"):
+        validate_processes(load_config(base, ["trainer.async_rollout=true"]), 2)
