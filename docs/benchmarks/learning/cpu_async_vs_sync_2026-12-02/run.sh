@@ -1,6 +1,6 @@
 # The embedded default (configs/default.yaml, CPU) to step 80 twice from the same seed: synchronous, and with
 # rollouts one step ahead (trainer.async_rollout=true). Prints each run's validation at steps 0 / 40 / 80 and its
-# training score over steps 1-10 / 71-80. Usage: bash docs/benchmarks/learning/2026-12-02_async_vs_sync.sh OUT_DIR
+# training score over steps 1-10 / 71-80. Usage: bash docs/benchmarks/learning/cpu_async_vs_sync_2026-12-02/run.sh OUT_DIR
 set -eu
 out=${1:?output directory}
 mkdir -p "$out"
