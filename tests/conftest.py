@@ -42,3 +42,16 @@ def one_device(monkeypatch):
     first = jax.devices()[0]
     monkeypatch.setattr(jax, "devices", lambda *a: [first])
     monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+
+
+# The files that take longest go to the two xdist workers first (--dist loadfile hands out whole files in collection
+# order): the one that builds the embedded default's shared warm start (tests/train_helpers.py seed_warm_start),
+# beside a long file that does not need it, then the other learning runs, which find the warm start built instead of
+# waiting on its lock; the many short files fill in at the end instead of one long run finishing alone.
+FIRST = ("test_learning.py", "test_distributed.py", "test_learning_policy_losses.py", "test_lora.py",
+         "test_operability.py", "test_train.py", "test_recipes.py", "test_compare_float64.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
