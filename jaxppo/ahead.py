@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxppo.rollout import Rollouts, Sampled
-from jaxppo.step import PPOState, StepContext, Timer, sample
+from jaxppo.step import PPOState, StepContext, Timer, push_weights, sample
 
 
 @dataclasses.dataclass
@@ -54,22 +54,12 @@ class Ahead:
     def in_flight(self) -> bool:
         return self._pending is not None or self._ready is not None
 
-    def launch(self, state: PPOState, rows: np.ndarray, step: int) -> dict[str, float]:
-        """Push the actor's current weights into the (woken) engine, then generate and score `rows` as step `step`'s
-        batch in the background. Returns the push's timings (this thread's)."""
+    def launch(self, state: PPOState, rows: np.ndarray, step: int, timer: Timer) -> None:
+        """Push the actor's current weights into the (woken) engine (timed in `timer`, this thread's), then generate
+        and score `rows` as step `step`'s batch in the background."""
         assert not self.in_flight, "one batch in flight at a time"
-        timer = Timer()
-        from jaxppo.models.hf_io import HFWeights
-
-        ctx = self.ctx
-        with timer("wake"):
-            ctx.engine.wake()
-        with timer("sync"):
-            weights = ctx.rollout_weights(state.actor.params) if ctx.rollout_weights else HFWeights(
-                state.actor.params, ctx.weights_dtype)
-            ctx.engine.update_weights(weights)
+        push_weights(self.ctx, state.actor.params, timer)
         self._pending = self._pool.submit(self._sample, rows, step)
-        return timer.times
 
     def _sample(self, rows: np.ndarray, step: int) -> Batch:
         timer = Timer()

@@ -164,18 +164,23 @@ def rollout_sampling(cfg: Config, seed: int | None, step: int) -> Sampling:
                     logprobs=always or step % MISMATCH_EVERY == 0)
 
 
+def push_weights(ctx: StepContext, actor_params: Any, timer: Timer) -> None:
+    """Wake the rollout engine and push the actor's weights into it (timed as `wake` and `sync`)."""
+    with timer("wake"):
+        ctx.engine.wake()
+    with timer("sync"):
+        weights = ctx.rollout_weights(actor_params) if ctx.rollout_weights else HFWeights(actor_params,
+                                                                                         ctx.weights_dtype)
+        ctx.engine.update_weights(weights)
+
+
 @contextlib.contextmanager
 def awake(ctx: StepContext, actor_params: Any, timer: Timer | None = None):
     """The rollout engine woken with the actor's current weights pushed in (every wake: a sleeping vLLM may
     have dropped them), put back to sleep on exit unless `rollout.free_cache_engine=false` keeps it awake."""
     timer = timer or Timer()
-    with timer("wake"):
-        ctx.engine.wake()
     try:
-        with timer("sync"):
-            weights = ctx.rollout_weights(actor_params) if ctx.rollout_weights else HFWeights(actor_params,
-                                                                                             ctx.weights_dtype)
-            ctx.engine.update_weights(weights)
+        push_weights(ctx, actor_params, timer)
         yield
     finally:
         if ctx.cfg.rollout.free_cache_engine:

@@ -273,14 +273,12 @@ class PPOTrainer:
         the run at the step's end: the next batch is already being generated, and the checkpoint stores it."""
         ahead = self.ahead
         if not ahead.in_flight:
-            for k, v in ahead.launch(self.state, self.sampler.next_batch(), self.step).items():
-                timer.times[k] = timer.times.get(k, 0.0) + v
+            ahead.launch(self.state, self.sampler.next_batch(), self.step, timer)
         batch, waited = ahead.take(self.step)
         timer.times.update(batch.times)  # the generation's own phases (gen, reward), run in the background
         timer.times["timing_s/gen_wait"] = waited
         if self.step + 1 < self.total_steps:
-            for k, v in ahead.launch(self.state, self.sampler.next_batch(), self.step + 1).items():
-                timer.times[k] = timer.times.get(k, 0.0) + v
+            ahead.launch(self.state, self.sampler.next_batch(), self.step + 1, timer)
         return ppo_step.collect(self.ctx, self.state, None, self.step, timer, sampled=(batch.sampled, batch.metrics))
 
     @property
@@ -301,8 +299,9 @@ class PPOTrainer:
             out[f"{name} (trained params + AdamW)"] = memory.held_bytes((sub.params, sub.opt_state))
             if engine.frozen is not None:
                 out[f"{name} base (frozen)"] = memory.held_bytes(engine.frozen)
-            if host_bytes(sub.opt_state):  # offloaded (jaxppo/offload.py): in this host's memory, not the card's
-                out[f"{name} AdamW moments (host memory)"] = host_bytes(sub.opt_state)
+            on_host = host_bytes(sub.opt_state)  # offloaded (jaxppo/offload.py): in this host's memory, not the card's
+            if on_host:
+                out[f"{name} AdamW moments (host memory)"] = on_host
         if s.ref_params is not None:
             out["reference"] = memory.held_bytes(s.ref_params)
         return out
