@@ -44,13 +44,16 @@ def one_device(monkeypatch):
     monkeypatch.setattr(jax, "device_count", lambda *a: 1)
 
 
-# The files that take longest come first in collection order (the one that builds the embedded default's shared warm
-# start, tests/train_helpers.py seed_warm_start, first): --dist loadfile hands whole files to the two xdist workers,
-# its first batch round-robin from this order, so the long learning runs tend to start early and the many short files
-# fill in at the end. A heuristic: a fresh-clone run went from 38.5 to 32.3 min with it, on a machine whose speed
-# varied between the runs, and the GSPO learning file still finished last.
-FIRST = ("test_learning.py", "test_distributed.py", "test_learning_policy_losses.py", "test_lora.py",
-         "test_operability.py", "test_train.py", "test_recipes.py", "test_compare_float64.py")
+# The files that take longest come first in collection order, the one that builds the embedded default's shared warm
+# start (tests/train_helpers.py seed_warm_start) first: --dist loadfile hands whole files to the two xdist workers in
+# this order (scripts/test.sh passes --no-loadscope-reorder: xdist otherwise sorts the files by their number of tests,
+# which ran the learning files, few tests and long, last: a fresh-clone run at 99689ac had one worker idle for its
+# last 290 s while the other ran them). The order is by each file's seconds in that run (tests 1764 s, 3190 s of
+# work on two workers); the files not named follow in their own order and fill in at the end.
+FIRST = ("test_learning.py", "test_distributed.py", "test_learning_policy_losses.py", "test_engine.py", "test_lora.py",
+         "test_recipes.py", "test_operability.py", "test_packing.py", "test_trainer_options.py", "test_train.py",
+         "test_nothing_lost.py", "test_bench_scripts.py", "test_compare.py", "test_memory_plan.py",
+         "test_compare_float64.py", "test_verl_cli.py", "test_parity.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
