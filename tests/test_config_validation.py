@@ -181,3 +181,22 @@ def test_a_run_that_cannot_fit_the_card_exits_2_and_says_what_to_change(shapes, 
     assert "actor (weights + AdamW)" in err and "states alone" in err and "Traceback" not in err
     assert "actor.optimizer_offload=true, critic.optimizer_offload=true" in err  # the host can hold the moments
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key, value", [
+    ("algorithm.rollout_correction.rollout_rs_threshold", "0.5_2"),  # verl's lower_upper bounds, not 0.52
+    ("algorithm.rollout_correction.rollout_rs_threshold", "1_3"),  # not 13
+    ("algorithm.rollout_correction.rollout_is_threshold", "0.5_2"),
+    ("trainer.experiment_name", "007"),
+])
+def test_a_text_key_takes_its_override_as_written(key, value):
+    """YAML 1.1 reads '0.5_2' as 0.52 and '1_3' as 13 ('_' a digit separator): a text key keeps what was typed."""
+    from jaxppo.config import load_config
+
+    rs = ["algorithm.rollout_correction.rollout_rs=token_k1"] if key.endswith("rs_threshold") else []
+    cfg = load_config(ROOT / "configs" / "default.yaml", [*rs, f"{key}={value}"])
+    section, _, leaf = key.rpartition(".")
+    node = cfg
+    for part in section.split("."):
+        node = getattr(node, part)
+    assert getattr(node, leaf) == value

@@ -27,6 +27,39 @@ def _key_list() -> list[str]:
     return list(walk(Config, ""))
 
 
+def _text_keys() -> set[str]:
+    """The keys whose values are text (str or Optional[str])."""
+    import typing
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                yield from walk(t, prefix + f.name + ".")
+            elif t is str or t == typing.Optional[str]:
+                yield prefix + f.name
+
+    return set(walk(Config, ""))
+
+
+def _override_layer(overrides: list[str]):
+    """The dotted overrides as one layer, in order (a later one wins). A text key's value is taken as written: YAML
+    would read `rollout_rs_threshold=0.5_2` (verl's lower_upper form) as the number 0.52 and `1_3` as 13, since
+    YAML 1.1 takes '_' for a digit separator; null, quoted values and interpolations keep YAML's reading."""
+    from omegaconf import OmegaConf
+
+    text = _text_keys()
+    layer = OmegaConf.create()
+    for item in overrides:
+        key, raw = item.split("=", 1)
+        if key in text and raw not in ("null", "~") and raw[:1] not in ("'", '"') and "${" not in raw:
+            OmegaConf.update(layer, key, raw, force_add=True)
+        else:
+            layer = OmegaConf.merge(layer, OmegaConf.from_dotlist([item]))
+    return layer
+
+
 def _suggest(key: str) -> str:
     keys = _key_list()
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
@@ -109,7 +142,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         overrides = translate(overrides, warn=_log_ignored)
         where = "the command line's overrides"
         if overrides:
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
+            layers.append(_override_layer(list(overrides)))
         where = str(path) if path is not None else "the command line's overrides"
         merged = OmegaConf.merge(*layers)
     except yaml.YAMLError as e:  # syntax errors, and tags safe YAML refuses (!!python/object ...)
