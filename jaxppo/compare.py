@@ -13,6 +13,7 @@ The last line printed is one JSON object (machine-readable); a table precedes it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -235,22 +236,152 @@ def _side_by_side(J: dict, T: dict, rmask: np.ndarray, K: int, cfg: Any, dtype: 
     return rows
 
 
-def ppo_step_report(args, overrides: list[str]) -> dict:
-    import dataclasses
+@dataclasses.dataclass
+class _Models:
+    """The same weights in both frameworks: jaxppo's modules and parameters, the torch actor, critic and reference
+    (bridge/reference.py; peft's adapters under LoRA), the torch parameter-name map, the config of the model."""
+
+    actor_mod: Any
+    actor_params: Any
+    critic_mod: Any
+    critic_params: Any
+    mcfg: Any
+    torch_models: tuple  # (actor, critic, reference)
+    t_name: Any
+    tmp: Any  # the temporary directory of a critic written for torch (cleaned up by the caller)
+
+
+def _load_both(args, cfg, kw: dict, a_lora, c_lora, use_ref: bool, tdt: str, pdt, f64: bool) -> _Models:
     import tempfile
 
+    import jax
+
+    from bridge import reference as ref_torch
+    from jaxppo.models import load_model, save_hf_checkpoint
+    from jaxppo.models.hf_io import export_hf_arrays
+    from jaxppo.models.lora import is_adapter, split
+
+    actor_mod, actor_params, mcfg = load_model(args.model, rng=jax.random.PRNGKey(args.seed + 2), lora=a_lora, **kw)
+    critic_mod, critic_params, _ = load_model(args.critic or args.model, "value", rng=jax.random.PRNGKey(args.seed),
+                                              lora=c_lora, **kw)
+    tmp = tempfile.TemporaryDirectory(prefix="jaxppo-compare-")
+    critic_dir = args.critic or str(save_hf_checkpoint(split(critic_params, is_adapter)[1], mcfg,
+                                                       Path(tmp.name) / "critic", head="value"))
+    t_load = lambda d: ref_torch.load_hf_model(d, tdt, args.device, inv_freq=mcfg.inv_freq())  # noqa: E731
+    t_actor, t_critic = t_load(args.model).train(), t_load(critic_dir).train()
+    if cfg.model.remat != "none":
+        for m in (t_actor, t_critic):
+            m.gradient_checkpointing_enable()
+    hf32 = lambda tree: {n: np.asarray(x) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
+    t_name = ref_torch.peft_to_hf if (a_lora.rank or c_lora.rank) else (lambda n: n)
+    if a_lora.rank:
+        t_actor = ref_torch.wrap_lora(t_actor, a_lora.rank, a_lora.alpha, a_lora.targets,
+                                      hf32(split(actor_params, is_adapter)[0]))
+    if c_lora.rank:
+        t_critic = ref_torch.wrap_lora(t_critic, c_lora.rank, c_lora.alpha, c_lora.targets,
+                                       hf32(split(critic_params, is_adapter)[0]), train_head=True)
+    if f64:  # peft's adapters as well
+        t_actor, t_critic = t_actor.double(), t_critic.double()
+    if a_lora.rank:
+        t_ref = ref_torch.AdaptersOff(t_actor)
+    else:
+        t_ref = t_load(args.ref) if (use_ref and args.ref) else t_actor
+    return _Models(actor_mod, actor_params, critic_mod, critic_params, mcfg, (t_actor, t_critic, t_ref), t_name, tmp)
+
+
+@dataclasses.dataclass
+class _JaxStep:
+    """jaxppo's side of the step: its results by quantity (`J`), its engines and final states, the batch as sharded,
+    the advantage function and rewards (for timing), the trained parameters' change."""
+
+    J: dict
+    actor: Any
+    critic: Any
+    a_state: Any
+    c_state: Any
+    sharded: Any
+    adv_fn: Any
+    rewards: Any
+    token_scores: Any
+    a0: dict
+    c0: dict
+    a_delta: dict
+    c_delta: dict
+
+
+def _jax_step(args, cfg, models: _Models, kw: dict, mesh, a_cfg, c_cfg, loras: tuple, use_ref: bool, full_kl: bool,
+              batch_np: dict, scores, group_ids, minibatches, R: int, total: int, temp: float, pdt) -> _JaxStep:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxppo import ppo
+    from jaxppo.engine import ActorEngine, CriticEngine
+    from jaxppo.models import load_model
+    from jaxppo.models.hf_io import export_hf_arrays
+    from jaxppo.models.lora import is_adapter, zeros_like_adapters
+
+    alg = cfg.algorithm
+    a_lora, c_lora = loras
+    rmask = batch_np["response_mask"]
+    actor = ActorEngine(models.actor_mod, mesh, a_cfg, R, total, temp, trainable=is_adapter if a_lora.rank else None)
+    critic = CriticEngine(models.critic_mod, mesh, c_cfg, R, total,
+                          trainable=(lambda p: is_adapter(p) or p[0] == "score") if c_lora.rank else None)
+    actor_params = models.actor_params
+    if not a_lora.rank:
+        # (a copy: the actor's buffers are donated to its updates, and the exact-KL loss reads the reference there)
+        ref_params = load_model(args.ref, **kw)[1] if (use_ref and args.ref) else jax.tree.map(jnp.copy, actor_params)
+    a_state, c_state = actor.init_state(actor_params), critic.init_state(models.critic_params)
+    models.actor_params = models.critic_params = None  # donated to the states
+    if a_lora.rank:  # the base with the adapters zeroed
+        ref_params = zeros_like_adapters(a_state.params)
+    hf32 = lambda tree: {n: np.asarray(x) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
+    a0, c0 = hf32(a_state.params), hf32(c_state.params)  # the trained parameters (under LoRA: the adapters)
+    sharded = actor.shard_batch(batch_np)
+    J: dict = {}
+    J["old_logprobs"] = np.asarray(actor.logprobs(a_state.params, sharded)[0])
+    J["ref_logprobs"] = np.asarray(actor.logprobs(ref_params, sharded)[0]) if use_ref else None
+    J["values"] = np.asarray(critic.values(c_state.params, sharded))
+    token_scores = ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask))
+    rewards = token_scores
+    if alg.use_kl_in_reward:
+        rewards, _ = ppo.apply_kl_penalty(token_scores, J["old_logprobs"], J["ref_logprobs"], rmask,
+                                          alg.kl_ctrl.kl_coef, alg.kl_penalty)
+    adv_fn = jax.jit(lambda r, m, v: ppo.compute_advantages("gae", r, m, values=v, group_ids=jnp.asarray(group_ids),
+                                                            gamma=alg.gamma, lam=alg.lam))
+    adv, ret = adv_fn(jnp.asarray(rewards), jnp.asarray(rmask), jnp.asarray(J["values"]))
+    J["token_rewards"], J["advantages"], J["returns"] = np.asarray(rewards), np.asarray(adv), np.asarray(ret)
+
+    J["critic"], J["actor"], J["critic_grads"], J["actor_grads"] = [], [], [], []
+    ref_kw = {"ref_params": ref_params} if full_kl else {}
+    hf64 = lambda tree: {n: np.asarray(x, np.float64) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
+    for part in minibatches(batch_np, J):
+        cb = critic.shard_batch(_critic_part(part))
+        J["critic_grads"].append(hf64(critic.gradients(c_state.params, cb)))
+        c_state, m = critic.update(c_state, cb)
+        J["critic"].append(jax.device_get(m))
+    for part in minibatches(batch_np, J):
+        ab = actor.shard_batch(_actor_part(part))
+        J["actor_grads"].append(hf64(actor.gradients(a_state.params, ab, ref_params if full_kl else None)))
+        a_state, m = actor.update(a_state, ab, **ref_kw)
+        J["actor"].append(jax.device_get(m))
+    a_delta = {n: np.asarray(x) - a0[n] for n, x in export_hf_arrays(a_state.params, pdt)}
+    c_delta = {n: np.asarray(x) - c0[n] for n, x in export_hf_arrays(c_state.params, pdt)}
+    return _JaxStep(J, actor, critic, a_state, c_state, sharded, adv_fn, rewards, token_scores, a0, c0, a_delta,
+                    c_delta)
+
+
+def ppo_step_report(args, overrides: list[str]) -> dict:
+    """One PPO step of the GAE pipeline in jaxppo and in the plain torch reference, from the same weights and the
+    same sampled batch: the report's rows compare every quantity (see the module's docstring)."""
     import jax
     import jax.numpy as jnp
     import torch
 
-    from bridge import reference as ref_torch
-    from jaxppo import ppo
     from jaxppo.config import load_config
-    from jaxppo.engine import ActorEngine, CriticEngine, lr_schedule
+    from jaxppo.engine import lr_schedule
     from jaxppo.errors import ConfigError
-    from jaxppo.models import load_model, save_hf_checkpoint
     from jaxppo.models.hf_io import export_hf_arrays
-    from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, split, zeros_like_adapters
+    from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, split
     from jaxppo.sharding import make_mesh
 
     cfg = load_config(args.config, overrides)
@@ -277,79 +408,28 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
     c_cfg = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=per_dev,
                                 log_prob_micro_batch_size_per_device=per_dev)
     use_ref = cfg.actor.use_kl_loss or alg.use_kl_in_reward
+    full_kl = cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full"
     # LoRA (actor.lora_rank / critic.lora_rank > 0): jaxppo's adapters against peft's on the same base, from the
     # same adapter initialisation; the reference is the base with the adapters off in both
     a_lora, c_lora = spec_from(cfg.actor), spec_from(cfg.critic)
     if a_lora.rank and args.ref:
         raise ConfigError("--ref with actor.lora_rank > 0: under LoRA the reference policy is the base model "
                           "(--model) with the adapters off")
-
-    # ---- the same weights in both frameworks
-    actor_mod, actor_params, mcfg = load_model(args.model, rng=jax.random.PRNGKey(args.seed + 2), lora=a_lora, **kw)
-    critic_mod, critic_params, _ = load_model(args.critic or args.model, "value", rng=jax.random.PRNGKey(args.seed),
-                                              lora=c_lora, **kw)
-    tmp = tempfile.TemporaryDirectory(prefix="jaxppo-compare-")
-    critic_dir = args.critic or str(save_hf_checkpoint(split(critic_params, is_adapter)[1], mcfg,
-                                                       Path(tmp.name) / "critic", head="value"))
-    dev = args.device
-    t_load = lambda d: ref_torch.load_hf_model(d, tdt, dev, inv_freq=mcfg.inv_freq())  # noqa: E731
-    t_actor, t_critic = t_load(args.model).train(), t_load(critic_dir).train()
-    if cfg.model.remat != "none":
-        for m in (t_actor, t_critic):
-            m.gradient_checkpointing_enable()
-    hf32 = lambda tree: {n: np.asarray(x) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
-    t_name = ref_torch.peft_to_hf if (a_lora.rank or c_lora.rank) else (lambda n: n)
-    if a_lora.rank:
-        t_actor = ref_torch.wrap_lora(t_actor, a_lora.rank, a_lora.alpha, a_lora.targets,
-                                      hf32(split(actor_params, is_adapter)[0]))
-    if c_lora.rank:
-        t_critic = ref_torch.wrap_lora(t_critic, c_lora.rank, c_lora.alpha, c_lora.targets,
-                                       hf32(split(critic_params, is_adapter)[0]), train_head=True)
-    if f64:  # peft's adapters as well
-        t_actor, t_critic = t_actor.double(), t_critic.double()
-    if a_lora.rank:
-        t_ref = ref_torch.AdaptersOff(t_actor)
-    else:
-        t_ref = t_load(args.ref) if (use_ref and args.ref) else t_actor
+    models = _load_both(args, cfg, kw, a_lora, c_lora, use_ref, tdt, pdt, f64)
+    mcfg = models.mcfg
 
     sdt = "float32" if f64 else args.dtype  # the responses are sampled in float32 (only their tokens are used)
+    actor_params = models.actor_params
     push = LoRAWeights(*reversed(split(actor_params, is_adapter)), a_lora.scale, _jax_dtypes()[sdt]) \
         if a_lora.rank else export_hf_arrays(actor_params, _jax_dtypes()[sdt])
-    batch_np, scores, group_ids = _sample_batch(push, args.model, cfg, sdt, dev, B, P, R,
+    batch_np, scores, group_ids = _sample_batch(push, args.model, cfg, sdt, args.device, B, P, R,
                                                 cfg.rollout.n, args.seed, mcfg.pad_token_id or 0, mcfg.vocab_size)
+    del push, actor_params
     if f64:
         batch_np = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in batch_np.items()}
         scores = scores.astype(np.float64)
     rmask = batch_np["response_mask"]
     temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-
-    # ---- jaxppo
-    total = K * cfg.actor.ppo_epochs
-    actor = ActorEngine(actor_mod, mesh, a_cfg, R, total, temp, trainable=is_adapter if a_lora.rank else None)
-    critic = CriticEngine(critic_mod, mesh, c_cfg, R, total,
-                          trainable=(lambda p: is_adapter(p) or p[0] == "score") if c_lora.rank else None)
-    if not a_lora.rank:
-        # (a copy: the actor's buffers are donated to its updates, and the exact-KL loss reads the reference there)
-        ref_params = load_model(args.ref, **kw)[1] if (use_ref and args.ref) else jax.tree.map(jnp.copy, actor_params)
-    a_state, c_state = actor.init_state(actor_params), critic.init_state(critic_params)
-    if a_lora.rank:  # the base with the adapters zeroed
-        ref_params = zeros_like_adapters(a_state.params)
-    del actor_params
-    a0, c0 = hf32(a_state.params), hf32(c_state.params)  # the trained parameters (under LoRA: the adapters)
-    sharded = actor.shard_batch(batch_np)
-    J: dict = {}
-    J["old_logprobs"] = np.asarray(actor.logprobs(a_state.params, sharded)[0])
-    J["ref_logprobs"] = np.asarray(actor.logprobs(ref_params, sharded)[0]) if use_ref else None
-    J["values"] = np.asarray(critic.values(c_state.params, sharded))
-    token_scores = ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask))
-    rewards = token_scores
-    if alg.use_kl_in_reward:
-        rewards, _ = ppo.apply_kl_penalty(token_scores, J["old_logprobs"], J["ref_logprobs"], rmask,
-                                          alg.kl_ctrl.kl_coef, alg.kl_penalty)
-    adv_fn = jax.jit(lambda r, m, v: ppo.compute_advantages("gae", r, m, values=v, group_ids=jnp.asarray(group_ids),
-                                                            gamma=alg.gamma, lam=alg.lam))
-    adv, ret = adv_fn(jnp.asarray(rewards), jnp.asarray(rmask), jnp.asarray(J["values"]))
-    J["token_rewards"], J["advantages"], J["returns"] = np.asarray(rewards), np.asarray(adv), np.asarray(ret)
 
     def minibatches(base: dict, res: dict) -> list[dict]:
         """The K update mini-batches (contiguous, in order) of `base` + one framework's step results."""
@@ -358,34 +438,18 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
             full["ref_logprobs"] = res["ref_logprobs"]
         return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(K)]
 
-    jax_batches = lambda: minibatches(batch_np, J)  # noqa: E731
-
-    J["critic"], J["actor"], J["critic_grads"], J["actor_grads"] = [], [], [], []
-    full_kl = cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full"
-    ref_kw = {"ref_params": ref_params} if full_kl else {}
-    hf64 = lambda tree: {n: np.asarray(x, np.float64) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
-    for part in jax_batches():
-        cb = critic.shard_batch(_critic_part(part))
-        J["critic_grads"].append(hf64(critic.gradients(c_state.params, cb)))
-        c_state, m = critic.update(c_state, cb)
-        J["critic"].append(jax.device_get(m))
-    for part in jax_batches():
-        ab = actor.shard_batch(_actor_part(part))
-        J["actor_grads"].append(hf64(actor.gradients(a_state.params, ab, ref_params if full_kl else None)))
-        a_state, m = actor.update(a_state, ab, **ref_kw)
-        J["actor"].append(jax.device_get(m))
-    a_delta = {n: np.asarray(x) - a0[n] for n, x in export_hf_arrays(a_state.params, pdt)}
-    c_delta = {n: np.asarray(x) - c0[n] for n, x in export_hf_arrays(c_state.params, pdt)}
-
+    total = K * cfg.actor.ppo_epochs
+    j = _jax_step(args, cfg, models, kw, mesh, a_cfg, c_cfg, (a_lora, c_lora), use_ref, full_kl, batch_np, scores,
+                  group_ids, minibatches, R, total, temp, pdt)
     a_lr, c_lr = lr_schedule(cfg.actor.optim, total), lr_schedule(cfg.critic.optim, total)
-    # ---- plain torch
     (T, tb, t_rewards, a_opt, c_opt, ta_delta, tc_delta, torch_batches) = _torch_step(
-        args, cfg, (t_actor, t_critic, t_ref), t_name, batch_np, token_scores, minibatches, (a_lr, c_lr), use_ref,
+        args, cfg, models.torch_models, models.t_name, batch_np, j.token_scores, minibatches, (a_lr, c_lr), use_ref,
         full_kl, temp, autocast)
 
-    rows = _side_by_side(J, T, rmask, K, cfg, args.dtype, (a_delta, ta_delta, a0, [float(a_lr(i)) for i in range(K)]),
-                         (c_delta, tc_delta, c0, [float(c_lr(i)) for i in range(K)]))
-    report = {"subcommand": "ppo-step", "model": args.model, "dtype": args.dtype, "device": dev,
+    rows = _side_by_side(j.J, T, rmask, K, cfg, args.dtype,
+                         (j.a_delta, ta_delta, j.a0, [float(a_lr(i)) for i in range(K)]),
+                         (j.c_delta, tc_delta, j.c0, [float(c_lr(i)) for i in range(K)]))
+    report = {"subcommand": "ppo-step", "model": args.model, "dtype": args.dtype, "device": args.device,
               "jax_backend": jax.default_backend(), "batch": B, "prompt_len": P, "response_len": R,
               "mini_batches": K, "micro_batches": args.micro_batches, "loss_agg_mode": cfg.actor.loss_agg_mode,
               "use_kl_in_reward": alg.use_kl_in_reward, "use_kl_loss": cfg.actor.use_kl_loss,
@@ -396,10 +460,12 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
               "criterion": CRITERIA[args.dtype],
               "failed": [r["quantity"] for r in rows if r["tolerance"] is not None and r["rel_diff"] > r["tolerance"]]}
     if args.time:
-        report["timing"] = _time_phases(args, actor, critic, a_state, c_state, sharded, jax_batches, adv_fn, rewards,
-                                        rmask, J, T, t_actor, t_critic, a_opt, c_opt, tb, torch_batches, t_rewards,
-                                        cfg, R, temp, autocast, a_lr, c_lr)
-    tmp.cleanup()
+        t_actor, t_critic, _ = models.torch_models
+        report["timing"] = _time_phases(args, j.actor, j.critic, j.a_state, j.c_state, j.sharded,
+                                        lambda: minibatches(batch_np, j.J), j.adv_fn, j.rewards, rmask, j.J, T,
+                                        t_actor, t_critic, a_opt, c_opt, tb, torch_batches, t_rewards, cfg, R, temp,
+                                        autocast, a_lr, c_lr)
+    models.tmp.cleanup()
     return report
 
 
