@@ -189,14 +189,29 @@ def test_a_run_that_cannot_fit_the_card_exits_2_and_says_what_to_change(shapes, 
     ("algorithm.rollout_correction.rollout_is_threshold", "0.5_2"),
     ("trainer.experiment_name", "007"),
 ])
-def test_a_text_key_takes_its_override_as_written(key, value):
-    """YAML 1.1 reads '0.5_2' as 0.52 and '1_3' as 13 ('_' a digit separator): a text key keeps what was typed."""
+def test_a_text_key_takes_its_value_as_written(key, value, tmp_path):
+    """YAML 1.1 reads '0.5_2' as 0.52 and '1_3' as 13 ('_' a digit separator): a text key keeps what was typed, on
+    the command line and in a config file."""
     from jaxppo.config import load_config
 
+    import yaml
+
     rs = ["algorithm.rollout_correction.rollout_rs=token_k1"] if key.endswith("rs_threshold") else []
-    cfg = load_config(ROOT / "configs" / "default.yaml", [*rs, f"{key}={value}"])
     section, _, leaf = key.rpartition(".")
-    node = cfg
+
+    def value_in(cfg):
+        node = cfg
+        for part in section.split("."):
+            node = getattr(node, part)
+        return getattr(node, leaf)
+
+    assert value_in(load_config(ROOT / "configs" / "default.yaml", [*rs, f"{key}={value}"])) == value
+    # and in a YAML file (key: 0.5_2, unquoted)
+    nested: dict = {}
+    node = nested
     for part in section.split("."):
-        node = getattr(node, part)
-    assert getattr(node, leaf) == value
+        node = node.setdefault(part, {})
+    node[leaf] = "VALUE"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(nested).replace("VALUE", value))
+    assert value_in(load_config(path, rs)) == value

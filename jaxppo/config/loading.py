@@ -60,6 +60,27 @@ def _override_layer(overrides: list[str]):
     return layer
 
 
+def _file_text_as_written(layer, path: Path) -> None:
+    """A text key's value in a YAML file as written (`rollout_rs_threshold: 0.5_2` is not 0.52; see
+    `_override_layer`): read again with YAML's loader that types nothing."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    raw = yaml.load(path.read_text(), Loader=yaml.BaseLoader)
+
+    def walk(node, prefix, text):
+        if not isinstance(node, dict):
+            return
+        for k, v in node.items():
+            key = prefix + str(k)
+            if isinstance(v, dict):
+                walk(v, key + ".", text)
+            elif key in text and isinstance(v, str) and v not in ("null", "~", "") and "${" not in v:
+                OmegaConf.update(layer, key, v, force_add=True)
+
+    walk(raw, "", _text_keys())
+
+
 def _suggest(key: str) -> str:
     keys = _key_list()
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
@@ -133,6 +154,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"{p}: the top level must be a mapping of sections (data:, model:, ...), "
                                   f"not a {type(loaded).__name__}")
+            _file_text_as_written(loaded, p)
             layers.append(loaded)
         for item in overrides:
             if "=" not in item:
