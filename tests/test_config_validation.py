@@ -192,9 +192,9 @@ def test_a_run_that_cannot_fit_the_card_exits_2_and_says_what_to_change(shapes, 
 def test_a_text_key_takes_its_value_as_written(key, value, tmp_path):
     """YAML 1.1 reads '0.5_2' as 0.52 and '1_3' as 13 ('_' a digit separator): a text key keeps what was typed, on
     the command line and in a config file."""
-    from jaxppo.config import load_config
-
     import yaml
+
+    from jaxppo.config import load_config
 
     rs = ["algorithm.rollout_correction.rollout_rs=token_k1"] if key.endswith("rs_threshold") else []
     section, _, leaf = key.rpartition(".")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,34 +14,37 @@ from jaxppo.config.schema import Config
 from jaxppo.errors import ConfigError
 
 
-def _key_list() -> list[str]:
+@functools.cache
+def _fields() -> tuple[tuple[str, Any], ...]:
+    """Every key of the config tree, dotted, with its type (the schema is fixed: walked once)."""
     import typing
 
     def walk(cls, prefix):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             name = prefix + f.name
-            yield name
+            yield name, hints[f.name]
             if dataclasses.is_dataclass(hints[f.name]):
                 yield from walk(hints[f.name], name + ".")
 
-    return list(walk(Config, ""))
+    return tuple(walk(Config, ""))
 
 
-def _text_keys() -> set[str]:
+def _key_list() -> list[str]:
+    return [name for name, _ in _fields()]
+
+
+@functools.cache
+def _text_keys() -> frozenset[str]:
     """The keys whose values are text (str or Optional[str])."""
     import typing
 
-    def walk(cls, prefix):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            t = hints[f.name]
-            if dataclasses.is_dataclass(t):
-                yield from walk(t, prefix + f.name + ".")
-            elif t is str or t == typing.Optional[str]:
-                yield prefix + f.name
+    return frozenset(name for name, t in _fields() if t is str or t == typing.Optional[str])
 
-    return set(walk(Config, ""))
+
+def _typed_by_yaml(raw: str) -> bool:
+    """A text key's value that keeps YAML's reading: null, a quoted value, an interpolation."""
+    return raw in ("null", "~") or raw[:1] in ("'", '"') or "${" in raw
 
 
 def _override_layer(overrides: list[str]):
@@ -53,7 +57,7 @@ def _override_layer(overrides: list[str]):
     layer = OmegaConf.create()
     for item in overrides:
         key, raw = item.split("=", 1)
-        if key in text and raw not in ("null", "~") and raw[:1] not in ("'", '"') and "${" not in raw:
+        if key in text and not _typed_by_yaml(raw):
             OmegaConf.update(layer, key, raw, force_add=True)
         else:
             layer = OmegaConf.merge(layer, OmegaConf.from_dotlist([item]))
@@ -75,7 +79,7 @@ def _file_text_as_written(layer, path: Path) -> None:
             key = prefix + str(k)
             if isinstance(v, dict):
                 walk(v, key + ".", text)
-            elif key in text and isinstance(v, str) and v not in ("null", "~", "") and "${" not in v:
+            elif key in text and isinstance(v, str) and v != "" and not _typed_by_yaml(v):
                 OmegaConf.update(layer, key, v, force_add=True)
 
     walk(raw, "", _text_keys())
