@@ -1,0 +1,62 @@
+# Device session (one H200): a queue of runs in the background that outlives each 600 s call, so that one warm
+# machine runs them back to back (starts of 7B runs take longer than a call). Usage, from the repo root there:
+#   JAXPPO_COMMIT=<commit> bash docs/benchmarks/device/2026-12-02_queue.sh start      (launch the queue, returns)
+#   bash docs/benchmarks/device/2026-12-02_queue.sh wait <seconds>                    (wait, then copy results)
+# Each run is a fresh process (scripts/bench_ppo_step.py or scripts/check_configs.py, committed configs, random
+# weights of the shape); its ledger rows go to /tmp/q/results.jsonl, its log to /tmp/q/<name>.log. `wait` copies
+# the ledger rows, the queue's summary and the logs (tgz) to $OUT.
+set -u
+Q=/tmp/q
+PY=/opt/torch/.venv/bin/python3
+mode=${1:?start or wait}
+
+queue() {
+  # name | command (run from the repo root); first the 0.5B loop synchronous and one step ahead (the same
+  # machine, back to back), then the seed's 7B PPO with every actor parameter trained, then config checks.
+  local B="$PY scripts/bench_ppo_step.py --ledger $Q/results.jsonl"
+  cat <<EOF
+sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
+async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
+ppo7b_offload|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload.json --workdir $Q/w/ppo7b
+checks|$PY scripts/check_configs.py --only grpo-qwen2.5-0.5b,dapo-qwen2.5-0.5b,drgrpo-qwen2.5-0.5b,gspo-qwen2.5-0.5b,qwen2.5-1.5b,grpo-qwen2.5-1.5b --steps 3 --timeout 480 --ledger $Q/results.jsonl --workdir $Q/cc
+EOF
+}
+
+run_queue() {
+  queue | while IFS='|' read -r name cmd; do
+    echo "$(date +%T) start $name" >> $Q/summary.log
+    t0=$(date +%s)
+    bash -c "$cmd" > $Q/$name.log 2>&1
+    rc=$?
+    echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t0 )) s" >> $Q/summary.log
+  done
+  touch $Q/done
+}
+
+collect() {
+  cp $Q/summary.log $Q/results.jsonl $OUT/ 2>/dev/null
+  tar czf $OUT/logs.tgz -C $Q --exclude=w --exclude="cc/*/*" . 2>/dev/null
+  cat $Q/summary.log
+  for f in $Q/*.log; do
+    echo "== $f"; grep -v -E "INFO vllm|WARNING vllm|^\{\"step\"" "$f" | tail -12
+  done
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+}
+
+if [ "$mode" = start ]; then
+  : "${JAXPPO_COMMIT:?set JAXPPO_COMMIT to the commit under test}"
+  rm -rf $Q && mkdir -p $Q/w
+  mkdir -p /tmp/whl && $PY -m pip install -q --no-index --no-deps --upgrade --target /tmp/whl .whl/*.whl
+  export JAXPPO_COMMIT PYTHONPATH=/tmp/site:/tmp/whl:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+    VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+  export -f run_queue queue
+  export Q PY
+  setsid bash -c run_queue > $Q/queue.out 2>&1 < /dev/null &
+  echo "queue started: $(queue | cut -d'|' -f1 | tr '\n' ' ')"
+else
+  limit=${2:-560}
+  t0=$(date +%s)
+  while [ ! -e $Q/done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+  collect
+fi
