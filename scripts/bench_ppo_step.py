@@ -199,7 +199,8 @@ def main(argv=None) -> int:
              **start_log.figures}
 
     keep = steps[2:] if len(steps) > 2 else steps
-    med = {k: median([s[k] for s in keep]) for k in keep[0]}
+    # a phase absent from a step did not run in it (one step ahead: the last step launches no next batch)
+    med = {k: median([s.get(k, 0.0) for s in keep]) for k in sorted({k for s in keep for k in s})}
     compiles = [s["perf/compiles"] for s in steps]
     summary = {"config": args.config, "shape": args.shape, "steps": args.steps, "samples": len(keep),
                "prompts": n_prompts, "n": cfg.rollout.n, "response_len": cfg.data.max_response_length,

@@ -1,6 +1,6 @@
 # Device session (one H200): a queue of runs in the background that outlives each 600 s call, so that one warm
 # machine runs them back to back (starts of 7B runs take longer than a call). Usage, from the repo root there:
-#   JAXPPO_COMMIT=<commit> bash docs/benchmarks/device/2026-12-02_queue.sh start      (launch the queue, returns)
+#   JAXPPO_COMMIT=<commit> [JOBS=a,b] bash docs/benchmarks/device/2026-12-02_queue.sh start  (launch, returns)
 #   bash docs/benchmarks/device/2026-12-02_queue.sh wait <seconds>                    (wait, then copy results)
 # Each run is a fresh process (scripts/bench_ppo_step.py or scripts/check_configs.py, committed configs, random
 # weights of the shape); its ledger rows go to /tmp/q/results.jsonl, its log to /tmp/q/<name>.log. `wait` copies
@@ -17,13 +17,19 @@ queue() {
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
+async05_prio|JAXPPO_AHEAD_STREAM_PRIORITY=1 $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_prio.json --workdir $Q/w/async05_prio trainer.async_rollout=true
 ppo7b_offload|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload.json --workdir $Q/w/ppo7b
 checks|$PY scripts/check_configs.py --only grpo-qwen2.5-0.5b,dapo-qwen2.5-0.5b,drgrpo-qwen2.5-0.5b,gspo-qwen2.5-0.5b,qwen2.5-1.5b,grpo-qwen2.5-1.5b --steps 3 --timeout 480 --ledger $Q/results.jsonl --workdir $Q/cc
 EOF
 }
 
+chosen() {  # the queue's runs named in $JOBS (comma-separated, in that order), or all of them
+  if [ -z "${JOBS:-}" ]; then queue; return; fi
+  for j in ${JOBS//,/ }; do queue | grep "^$j|"; done
+}
+
 run_queue() {
-  queue | while IFS='|' read -r name cmd; do
+  chosen | while IFS='|' read -r name cmd; do
     echo "$(date +%T) start $name" >> $Q/summary.log
     t0=$(date +%s)
     bash -c "$cmd" > $Q/$name.log 2>&1
@@ -50,10 +56,10 @@ if [ "$mode" = start ]; then
   export JAXPPO_COMMIT PYTHONPATH=/tmp/site:/tmp/whl:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
-  export -f run_queue queue
-  export Q PY
+  export -f run_queue queue chosen
+  export Q PY JOBS
   setsid bash -c run_queue > $Q/queue.out 2>&1 < /dev/null &
-  echo "queue started: $(queue | cut -d'|' -f1 | tr '\n' ' ')"
+  echo "queue started: $(chosen | cut -d'|' -f1 | tr '\n' ' ')"
 else
   limit=${2:-560}
   t0=$(date +%s)
