@@ -63,8 +63,7 @@ class Ahead:
 
     def _sample(self, rows: np.ndarray, step: int) -> Batch:
         timer = Timer()
-        with _stream():
-            sampled, metrics = sample(self.ctx, None, rows, step, timer, push=False)
+        sampled, metrics = sample(self.ctx, None, rows, step, timer, push=False)
         return Batch(step, sampled, metrics, timer.times)
 
     def wait(self) -> None:
@@ -110,21 +109,6 @@ class Ahead:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
-
-
-def _stream():
-    """Experimental (JAXPPO_AHEAD_STREAM_PRIORITY=1): the background generation's torch work on a high-priority CUDA
-    stream, so that its small decode kernels are scheduled ahead of the update's when both wait for the GPU."""
-    import contextlib
-    import os
-
-    import torch
-
-    if os.environ.get("JAXPPO_AHEAD_STREAM_PRIORITY") != "1" or not torch.cuda.is_available():
-        return contextlib.nullcontext()
-    stream = torch.cuda.Stream(priority=-1)  # lower is sooner; torch clamps to the device's range
-    stream.wait_stream(torch.cuda.default_stream())
-    return torch.cuda.stream(stream)
 
 
 def _enc(a: np.ndarray) -> dict[str, Any]:

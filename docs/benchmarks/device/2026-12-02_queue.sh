@@ -17,7 +17,6 @@ queue() {
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
-async05_prio|JAXPPO_AHEAD_STREAM_PRIORITY=1 $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_prio.json --workdir $Q/w/async05_prio trainer.async_rollout=true
 ppo7b_offload|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload.json --workdir $Q/w/ppo7b
 checks|$PY scripts/check_configs.py --only grpo-qwen2.5-0.5b,dapo-qwen2.5-0.5b,drgrpo-qwen2.5-0.5b,gspo-qwen2.5-0.5b,qwen2.5-1.5b,grpo-qwen2.5-1.5b --steps 3 --timeout 480 --ledger $Q/results.jsonl --workdir $Q/cc
 EOF
@@ -51,7 +50,7 @@ collect() {
 
 if [ "$mode" = start ]; then
   : "${JAXPPO_COMMIT:?set JAXPPO_COMMIT to the commit under test}"
-  rm -rf $Q && mkdir -p $Q/w
+  rm -rf $Q && mkdir -p $Q/w && touch $Q/summary.log
   mkdir -p /tmp/whl && $PY -m pip install -q --no-index --no-deps --upgrade --target /tmp/whl .whl/*.whl
   export JAXPPO_COMMIT PYTHONPATH=/tmp/site:/tmp/whl:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -62,6 +61,8 @@ if [ "$mode" = start ]; then
   echo "queue started: $(chosen | cut -d'|' -f1 | tr '\n' ' ')"
 else
   limit=${2:-560}
+  # a machine that went back between calls comes back bare: say so at once instead of waiting on nothing
+  [ -e $Q/summary.log ] || { echo "no queue on this machine (started bare?): start it again"; exit 3; }
   t0=$(date +%s)
   while [ ! -e $Q/done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
   collect
