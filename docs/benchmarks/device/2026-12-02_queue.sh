@@ -4,22 +4,34 @@
 #   bash docs/benchmarks/device/2026-12-02_queue.sh wait <seconds>                    (wait, then copy results)
 # Each run is a fresh process (scripts/bench_ppo_step.py or scripts/check_configs.py, committed configs, random
 # weights of the shape); its ledger rows go to /tmp/q/results.jsonl, its log to /tmp/q/<name>.log. `wait` copies
-# the ledger rows, the queue's summary and the logs (tgz) to $OUT.
+# the ledger rows, the queue's summary and the logs (tgz) to $OUT. The machine goes back after 30 s without a call:
+# issue the `wait` calls back to back (a call that finds a bare machine says so at once, exit 3). Seconds per job on
+# a warm machine, roughly: 0.5B 140-210, 1.5B ~300, 7B 450-800 (the first start of a shape is the slowest).
 set -u
 Q=/tmp/q
 PY=/opt/torch/.venv/bin/python3
 mode=${1:?start or wait}
 
 queue() {
-  # name | command (run from the repo root); first the 0.5B loop synchronous and one step ahead (the same
-  # machine, back to back), then the seed's 7B PPO with every actor parameter trained, then config checks.
+  # name | command (run from the repo root): the step benchmarks (10 steps, ledger `ppo_step`), synchronous and
+  # one step ahead; then one job per config check (3 steps, ledger `config_check`). JOBS picks and orders them.
   local B="$PY scripts/bench_ppo_step.py --ledger $Q/results.jsonl"
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
+async05_hiprio|JAXPPO_VLLM_STREAM_PRIORITY=high $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_hiprio.json --workdir $Q/w/async05_hiprio trainer.async_rollout=true
+sync15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15.json --workdir $Q/w/sync15
+async15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15.json --workdir $Q/w/async15 trainer.async_rollout=true
 ppo7b_offload|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload.json --workdir $Q/w/ppo7b
-checks|$PY scripts/check_configs.py --only grpo-qwen2.5-0.5b,dapo-qwen2.5-0.5b,drgrpo-qwen2.5-0.5b,gspo-qwen2.5-0.5b,qwen2.5-1.5b,grpo-qwen2.5-1.5b --steps 3 --timeout 480 --ledger $Q/results.jsonl --workdir $Q/cc
+grpo7b|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b.json --workdir $Q/w/grpo7b
+lora7b|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b.json --workdir $Q/w/lora7b
 EOF
+  # one job per config check (scripts/check_configs.py's names): check_<name>
+  for c in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b-lora qwen2.5-7b grpo-qwen2.5-7b qwen2.5-7b-offload grpo-qwen2.5-0.5b \
+           grpo-qwen2.5-1.5b dapo-qwen2.5-0.5b drgrpo-qwen2.5-0.5b gspo-qwen2.5-0.5b qwen3-0.6b qwen3-1.7b qwen3-4b \
+           qwen3-8b-lora; do
+    echo "check_$c|$PY scripts/check_configs.py --only $c --steps 3 --timeout 900 --ledger $Q/results.jsonl --workdir $Q/cc"
+  done
 }
 
 chosen() {  # the queue's runs named in $JOBS (comma-separated, in that order), or all of them
