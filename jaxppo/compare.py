@@ -370,25 +370,46 @@ def _jax_step(args, cfg, models: _Models, kw: dict, mesh, a_cfg, c_cfg, loras: t
                     c_delta)
 
 
-def ppo_step_report(args, overrides: list[str]) -> dict:
-    """One PPO step of the GAE pipeline in jaxppo and in the plain torch reference, from the same weights and the
-    same sampled batch: the report's rows compare every quantity (see the module's docstring)."""
+@dataclasses.dataclass
+class _Setup:
+    """What ppo-step runs: the config, the batch's split (B prompts x responses, P / R tokens, K mini-batches of
+    mb rows, per_dev rows per micro-batch and device), the dtypes of both frameworks, the mesh and engines' configs,
+    which KL terms and LoRA adapters are on."""
+
+    cfg: Any
+    B: int
+    P: int
+    R: int
+    K: int
+    mb: int
+    f64: bool
+    pdt: Any  # the trained parameters' dtype in both frameworks
+    tdt: str
+    autocast: Any
+    mesh: Any
+    kw: dict  # load_model's keyword arguments
+    a_cfg: Any
+    c_cfg: Any
+    use_ref: bool
+    full_kl: bool
+    a_lora: Any
+    c_lora: Any
+
+
+def _setup(args, overrides: list[str]) -> _Setup:
     import jax
     import jax.numpy as jnp
     import torch
 
     from jaxppo.config import load_config
-    from jaxppo.engine import lr_schedule
     from jaxppo.errors import ConfigError
-    from jaxppo.models.hf_io import export_hf_arrays
-    from jaxppo.models.lora import LoRAWeights, is_adapter, spec_from, split
+    from jaxppo.models.lora import spec_from
     from jaxppo.sharding import make_mesh
 
     cfg = load_config(args.config, overrides)
-    alg = cfg.algorithm
-    if alg.adv_estimator != "gae":
+    if cfg.algorithm.adv_estimator != "gae":
         raise ConfigError("ppo-step compares the GAE pipeline (actor + critic); algorithm.adv_estimator must be gae")
-    B, P, R, K = args.batch, args.prompt_len, args.response_len, args.mini_batches
+    B, K = args.batch, args.mini_batches
     shards = jax.device_count()
     mb = B // K
     if B % K or mb % args.micro_batches or (mb // args.micro_batches) % shards:
@@ -396,66 +417,83 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
                           f"x {shards} devices")
     per_dev = mb // args.micro_batches // shards
     f64 = args.dtype == "float64"  # JAX in x64 mode (main), torch in double: the same update end to end
-    jdt = _jax_dtypes()[args.dtype]
-    pdt = jnp.float64 if f64 else jnp.float32  # the trained parameters' dtype in both frameworks
-    tdt = "float64" if f64 else "float32"
-    autocast = torch.bfloat16 if args.dtype == "bfloat16" else None
+    pdt = jnp.float64 if f64 else jnp.float32
     mesh = make_mesh({"data": -1})
     impl = cfg.model.attention_impl or ("cudnn" if jax.default_backend() == "gpu" and args.dtype != "float32" else None)
-    kw = dict(mesh=mesh, dtype=jdt, param_dtype=pdt, remat=cfg.model.remat, attention_impl=impl)
+    kw = dict(mesh=mesh, dtype=_jax_dtypes()[args.dtype], param_dtype=pdt, remat=cfg.model.remat, attention_impl=impl)
     a_cfg = dataclasses.replace(cfg.actor, ppo_micro_batch_size_per_device=per_dev,
                                 log_prob_micro_batch_size_per_device=per_dev)
     c_cfg = dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_device=per_dev,
                                 log_prob_micro_batch_size_per_device=per_dev)
-    use_ref = cfg.actor.use_kl_loss or alg.use_kl_in_reward
-    full_kl = cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full"
     # LoRA (actor.lora_rank / critic.lora_rank > 0): jaxppo's adapters against peft's on the same base, from the
     # same adapter initialisation; the reference is the base with the adapters off in both
     a_lora, c_lora = spec_from(cfg.actor), spec_from(cfg.critic)
     if a_lora.rank and args.ref:
         raise ConfigError("--ref with actor.lora_rank > 0: under LoRA the reference policy is the base model "
                           "(--model) with the adapters off")
-    models = _load_both(args, cfg, kw, a_lora, c_lora, use_ref, tdt, pdt, f64)
-    mcfg = models.mcfg
+    return _Setup(cfg, B, args.prompt_len, args.response_len, K, mb, f64, pdt, "float64" if f64 else "float32",
+                  torch.bfloat16 if args.dtype == "bfloat16" else None, mesh, kw, a_cfg, c_cfg,
+                  cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+                  cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full", a_lora, c_lora)
 
-    sdt = "float32" if f64 else args.dtype  # the responses are sampled in float32 (only their tokens are used)
-    actor_params = models.actor_params
-    push = LoRAWeights(*reversed(split(actor_params, is_adapter)), a_lora.scale, _jax_dtypes()[sdt]) \
-        if a_lora.rank else export_hf_arrays(actor_params, _jax_dtypes()[sdt])
-    batch_np, scores, group_ids = _sample_batch(push, args.model, cfg, sdt, args.device, B, P, R,
-                                                cfg.rollout.n, args.seed, mcfg.pad_token_id or 0, mcfg.vocab_size)
-    del push, actor_params
-    if f64:
+
+def _sampled(args, st: _Setup, models: _Models) -> tuple[dict, np.ndarray, Any]:
+    """The batch both frameworks train on: responses sampled by the engine from the actor's weights (in float32
+    when the comparison runs in float64: only their tokens are used), then (batch, scores, group ids)."""
+    from jaxppo.models.hf_io import export_hf_arrays
+    from jaxppo.models.lora import LoRAWeights, is_adapter, split
+
+    sdt = "float32" if st.f64 else args.dtype
+    params = models.actor_params
+    push = LoRAWeights(*reversed(split(params, is_adapter)), st.a_lora.scale, _jax_dtypes()[sdt]) \
+        if st.a_lora.rank else export_hf_arrays(params, _jax_dtypes()[sdt])
+    batch_np, scores, group_ids = _sample_batch(push, args.model, st.cfg, sdt, args.device, st.B, st.P, st.R,
+                                                st.cfg.rollout.n, args.seed, models.mcfg.pad_token_id or 0,
+                                                models.mcfg.vocab_size)
+    if st.f64:
         batch_np = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in batch_np.items()}
         scores = scores.astype(np.float64)
+    return batch_np, scores, group_ids
+
+
+def ppo_step_report(args, overrides: list[str]) -> dict:
+    """One PPO step of the GAE pipeline in jaxppo and in the plain torch reference, from the same weights and the
+    same sampled batch: the report's rows compare every quantity (see the module's docstring)."""
+    import jax
+
+    from jaxppo.engine import lr_schedule
+
+    st = _setup(args, overrides)
+    cfg, K, mb = st.cfg, st.K, st.mb
+    models = _load_both(args, cfg, st.kw, st.a_lora, st.c_lora, st.use_ref, st.tdt, st.pdt, st.f64)
+    batch_np, scores, group_ids = _sampled(args, st, models)
     rmask = batch_np["response_mask"]
     temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
     def minibatches(base: dict, res: dict) -> list[dict]:
         """The K update mini-batches (contiguous, in order) of `base` + one framework's step results."""
         full = dict(base, **{k: res[k] for k in ("old_logprobs", "advantages", "values", "returns")})
-        if use_ref:
+        if st.use_ref:
             full["ref_logprobs"] = res["ref_logprobs"]
         return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(K)]
 
     total = K * cfg.actor.ppo_epochs
-    j = _jax_step(args, cfg, models, kw, mesh, a_cfg, c_cfg, (a_lora, c_lora), use_ref, full_kl, batch_np, scores,
-                  group_ids, minibatches, R, total, temp, pdt)
+    j = _jax_step(args, cfg, models, st.kw, st.mesh, st.a_cfg, st.c_cfg, (st.a_lora, st.c_lora), st.use_ref,
+                  st.full_kl, batch_np, scores, group_ids, minibatches, st.R, total, temp, st.pdt)
     a_lr, c_lr = lr_schedule(cfg.actor.optim, total), lr_schedule(cfg.critic.optim, total)
     (T, tb, t_rewards, a_opt, c_opt, ta_delta, tc_delta, torch_batches) = _torch_step(
-        args, cfg, models.torch_models, models.t_name, batch_np, j.token_scores, minibatches, (a_lr, c_lr), use_ref,
-        full_kl, temp, autocast)
+        args, cfg, models.torch_models, models.t_name, batch_np, j.token_scores, minibatches, (a_lr, c_lr),
+        st.use_ref, st.full_kl, temp, st.autocast)
 
     rows = _side_by_side(j.J, T, rmask, K, cfg, args.dtype,
                          (j.a_delta, ta_delta, j.a0, [float(a_lr(i)) for i in range(K)]),
                          (j.c_delta, tc_delta, j.c0, [float(c_lr(i)) for i in range(K)]))
     report = {"subcommand": "ppo-step", "model": args.model, "dtype": args.dtype, "device": args.device,
-              "jax_backend": jax.default_backend(), "batch": B, "prompt_len": P, "response_len": R,
+              "jax_backend": jax.default_backend(), "batch": st.B, "prompt_len": st.P, "response_len": st.R,
               "mini_batches": K, "micro_batches": args.micro_batches, "loss_agg_mode": cfg.actor.loss_agg_mode,
-              "use_kl_in_reward": alg.use_kl_in_reward, "use_kl_loss": cfg.actor.use_kl_loss,
-              "actor_lora_rank": a_lora.rank, "critic_lora_rank": c_lora.rank,
-              "valid_response_tokens": int(rmask.sum()), "rows": rows,
-              "adam_eps": cfg.actor.optim.eps,
+              "use_kl_in_reward": cfg.algorithm.use_kl_in_reward, "use_kl_loss": cfg.actor.use_kl_loss,
+              "actor_lora_rank": st.a_lora.rank, "critic_lora_rank": st.c_lora.rank,
+              "valid_response_tokens": int(rmask.sum()), "rows": rows, "adam_eps": cfg.actor.optim.eps,
               "max_rel_diff": max(r["rel_diff"] for r in rows if r["tolerance"] is not None),
               "criterion": CRITERIA[args.dtype],
               "failed": [r["quantity"] for r in rows if r["tolerance"] is not None and r["rel_diff"] > r["tolerance"]]}
@@ -463,8 +501,8 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
         t_actor, t_critic, _ = models.torch_models
         report["timing"] = _time_phases(args, j.actor, j.critic, j.a_state, j.c_state, j.sharded,
                                         lambda: minibatches(batch_np, j.J), j.adv_fn, j.rewards, rmask, j.J, T,
-                                        t_actor, t_critic, a_opt, c_opt, tb, torch_batches, t_rewards, cfg, R, temp,
-                                        autocast, a_lr, c_lr)
+                                        t_actor, t_critic, a_opt, c_opt, tb, torch_batches, t_rewards, cfg, st.R,
+                                        temp, st.autocast, a_lr, c_lr)
     models.tmp.cleanup()
     return report
 
