@@ -4,8 +4,9 @@ The synchronous step generates its batch with the weights it then trains. One st
 awake and generates step k+1's batch in a background thread, with the weights of step k pushed just before, while
 the trainer scores step k's batch, runs its forward passes and updates; step k+1 then takes that batch (waiting for
 what is left of its generation) and launches step k+2's. Each batch is one update behind the weights that train on
-it: the engine's log-probs are the behaviour policy's, corrected by `algorithm.rollout_correction` (token-level
-truncated importance weights when the config sets none: jaxppo/config/loading.py).
+it: the engine's log-probs are the behaviour policy's, corrected by `algorithm.rollout_correction` (bypass mode when
+the config sets none, token-level truncated importance weights for a policy loss that is not PPO's:
+jaxppo/config/loading.py).
 
     step k:   take batch k (sampled by theta_{k-1})  ->  push theta_k, launch batch k+1  ->  forward passes, update
               on batch k -> theta_{k+1}

@@ -36,6 +36,7 @@ def test_each_batch_is_generated_with_the_weights_of_the_step_before(tmp_path, o
     cfg = load_config(ROOT / "configs" / "default.yaml", [
         f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "trainer.sft_warmup_steps=0", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.total_training_steps=4", "trainer.async_rollout=true",
+        "algorithm.rollout_correction.rollout_is=token",  # its importance weights tell on-policy steps apart
         "actor.optim.lr=1e-2", "actor.optim.weight_decay=0.5"])  # weights that move: each step's are told apart
     with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
         before, metrics = [], []
@@ -55,8 +56,12 @@ def test_each_batch_is_generated_with_the_weights_of_the_step_before(tmp_path, o
 def test_async_rollout_implies_a_correction_and_refuses_what_it_cannot_run():
     base = ROOT / "configs" / "default.yaml"
     rc = load_config(base, ["trainer.async_rollout=true"]).algorithm.rollout_correction
-    assert rc.rollout_is == "token" and rc.rollout_is_threshold == "2.0"  # verl's token-level truncated IS
-    assert load_config(base).algorithm.rollout_correction.rollout_is is None  # the synchronous run: unchanged
+    assert rc.bypass_mode and rc.rollout_is is None  # PPO's loss: its ratio against the policy that sampled
+    other = load_config(base, ["trainer.async_rollout=true", "actor.policy_loss.loss_mode=gspo",
+                               "actor.loss_agg_mode=seq-mean-token-mean"]).algorithm.rollout_correction
+    assert not other.bypass_mode and other.rollout_is == "token" and other.rollout_is_threshold == "2.0"  # verl's IS
+    sync = load_config(base).algorithm.rollout_correction  # the synchronous run: unchanged
+    assert sync.rollout_is is None and not sync.bypass_mode
     own = load_config(base, ["trainer.async_rollout=true", "algorithm.rollout_correction.rollout_rs=token_k1",
                              "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"]).algorithm.rollout_correction
     assert own.rollout_is is None and own.rollout_rs == "token_k1"  # the user's correction is theirs

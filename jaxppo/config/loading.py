@@ -191,16 +191,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def _implied(cfg: Config) -> Config:
     """Settings one key implies when the user set none of their own: rollouts one step ahead
-    (`trainer.async_rollout`) are one step off-policy, so without a correction of the user's they get verl's
-    token-level truncated importance weights (`algorithm.rollout_correction.rollout_is=token`, threshold 2.0)."""
+    (`trainer.async_rollout`) are one step off-policy, so without a correction of the user's they take the policy
+    that sampled as the old policy (verl's bypass mode, `algorithm.rollout_correction.bypass_mode`: the PPO ratio and
+    its clip against the rollout's log-probs, and no recomputation of them), or where the policy loss is not PPO's
+    own (bypass mode replaces it) verl's token-level truncated importance weights (`rollout_is=token`, threshold 2.0).
+    Bypass mode learned closer to the synchronous step on the embedded default, seeds 0-2
+    (docs/benchmarks/learning/cpu_async_vs_sync_2026-12-02)."""
     a = cfg.algorithm
     rc = a.rollout_correction
     if cfg.trainer.async_rollout and rc.rollout_is is None and rc.rollout_rs is None and not rc.bypass_mode \
             and cfg.actor.tis_threshold is None:
-        logging.getLogger("jaxppo").info("trainer.async_rollout: the one-step-off batches are corrected with "
-                                         "algorithm.rollout_correction.rollout_is=token (threshold %s)",
-                                         rc.rollout_is_threshold)
-        rc = dataclasses.replace(rc, rollout_is="token")
+        if cfg.actor.policy_loss.loss_mode == "vanilla":
+            logging.getLogger("jaxppo").info("trainer.async_rollout: the one-step-off batches are trained with "
+                                             "algorithm.rollout_correction.bypass_mode=true (the old policy is the "
+                                             "one that sampled)")
+            rc = dataclasses.replace(rc, bypass_mode=True)
+        else:
+            logging.getLogger("jaxppo").info("trainer.async_rollout: the one-step-off batches are corrected with "
+                                             "algorithm.rollout_correction.rollout_is=token (threshold %s)",
+                                             rc.rollout_is_threshold)
+            rc = dataclasses.replace(rc, rollout_is="token")
         cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(a, rollout_correction=rc))
     return cfg
 

@@ -290,7 +290,8 @@ class TrainerConfig:
     plan_only: bool = False
     # rollouts one step ahead (jaxppo/ahead.py): the engine, kept awake, generates step k+1's batch with the weights
     # of step k while JAX trains on step k's; the data is one step off-policy, corrected by
-    # algorithm.rollout_correction (token-level truncated IS at 2.0 when none is set)
+    # algorithm.rollout_correction (when none is set: bypass mode, or token-level truncated IS at 2.0 for a policy
+    # loss that is not PPO's; jaxppo/config/loading.py)
     async_rollout: bool = False
     compilation_cache_dir: str = "~/.cache/jaxppo/xla"  # JAX's persistent compilation cache ("": off)
     critic_warmup: int = 0  # steps updating only the critic
