@@ -48,6 +48,28 @@ class _Abandoned(Exception):
     """A stop signal arrived before the step's updates began: the step is dropped, not half-done."""
 
 
+def _step_context(cfg: Config, prep: Any, engine: RolloutEngine, budgets: Any, push_dtype: Any) -> StepContext:
+    """What every step reads (jaxppo/step.py): the engines the start built (their health guards set where the plan
+    compiled their updates), the rollout engine, the datasets, the reward (a reward model, a user's function), the
+    token budgets, how the actor's weights reach the engine (LoRA: merged from base and adapters), FLOPs per token."""
+    b = prep.build
+    reward_model = None
+    if cfg.model.reward_model_path:
+        from jaxppo.rewards.model import RewardModel
+
+        reward_model = RewardModel(cfg.model.reward_model_path, dtype=DTYPES[cfg.model.dtype])
+    actor = b.actor
+    if b.actor_lora.rank:
+        rollout_weights = lambda adapters: LoRAWeights(actor.frozen, adapters, b.actor_lora.scale, push_dtype)  # noqa: E731
+    else:
+        rollout_weights = lambda params: HFWeights(params, push_dtype)  # noqa: E731
+    return StepContext(cfg, actor, b.critic, engine, prep.train_ds, prep.val_ds, prep.tokenizer, push_dtype,
+                       reward_model=reward_model, reward_fn=custom_reward.from_config(cfg), budgets=budgets,
+                       rollout_weights=rollout_weights,
+                       flops={"actor": flops_model(b.actor_cfg, lora=b.actor_lora),
+                              "critic": flops_model(b.critic_cfg or b.actor_cfg, False, b.critic_lora)})
+
+
 class PPOTrainer:
     def __init__(self, cfg: Config, engine_factory: EngineFactory):
         self.cfg = cfg
@@ -85,22 +107,7 @@ class PPOTrainer:
             self.actor_module = b.actor.module
         self.start_dir = self.warm_dir if (self.warm_dir / "config.json").is_file() else self.model_dir
         self.state = start.create_states(cfg, b, self.start_dir, t.seed)
-        actor, critic = b.actor, b.critic  # their health guards are set where the plan compiled their updates
-        reward_model = None
-        if cfg.model.reward_model_path:
-            from jaxppo.rewards.model import RewardModel
-
-            reward_model = RewardModel(cfg.model.reward_model_path, dtype=DTYPES[cfg.model.dtype])
-        push_dtype = DTYPES[self.engine_dtype]
-        if b.actor_lora.rank:
-            rollout_weights = lambda adapters: LoRAWeights(actor.frozen, adapters, b.actor_lora.scale, push_dtype)  # noqa: E731
-        else:
-            rollout_weights = lambda params: HFWeights(params, push_dtype)  # noqa: E731
-        self.ctx = StepContext(cfg, actor, critic, engine, self.train_ds, prep.val_ds, self.tokenizer, push_dtype,
-                               reward_model=reward_model, reward_fn=custom_reward.from_config(cfg),
-                               budgets=self.plan.budgets, rollout_weights=rollout_weights,
-                               flops={"actor": flops_model(self.model_cfg, lora=b.actor_lora),
-                                      "critic": flops_model(b.critic_cfg or self.model_cfg, False, b.critic_lora)})
+        self.ctx = _step_context(cfg, prep, engine, self.plan.budgets, DTYPES[self.engine_dtype])
         reward_workers = resolve_workers(cfg.reward.num_workers)
         if reward_workers:  # spawned now: their imports overlap with the rest of setup
             reward_pool(reward_workers).start()
