@@ -236,138 +236,11 @@ def _side_by_side(J: dict, T: dict, rmask: np.ndarray, K: int, cfg: Any, dtype: 
     return rows
 
 
-@dataclasses.dataclass
-class _Models:
-    """The same weights in both frameworks: jaxppo's modules and parameters, the torch actor, critic and reference
-    (bridge/reference.py; peft's adapters under LoRA), the torch parameter-name map, the config of the model."""
-
-    actor_mod: Any
-    actor_params: Any
-    critic_mod: Any
-    critic_params: Any
-    mcfg: Any
-    torch_models: tuple  # (actor, critic, reference)
-    t_name: Any
-    tmp: Any  # the temporary directory of a critic written for torch (cleaned up by the caller)
-
-
-def _load_both(args, cfg, kw: dict, a_lora, c_lora, use_ref: bool, tdt: str, pdt, f64: bool) -> _Models:
-    import tempfile
-
-    import jax
-
-    from bridge import reference as ref_torch
-    from jaxppo.models import load_model, save_hf_checkpoint
+def _hf_numpy(tree: Any, dtype: Any, cast: Any = None) -> dict[str, np.ndarray]:
+    """A parameter tree as {HF name: numpy array}, exported in `dtype` (then cast to `cast`, if given)."""
     from jaxppo.models.hf_io import export_hf_arrays
-    from jaxppo.models.lora import is_adapter, split
 
-    actor_mod, actor_params, mcfg = load_model(args.model, rng=jax.random.PRNGKey(args.seed + 2), lora=a_lora, **kw)
-    critic_mod, critic_params, _ = load_model(args.critic or args.model, "value", rng=jax.random.PRNGKey(args.seed),
-                                              lora=c_lora, **kw)
-    tmp = tempfile.TemporaryDirectory(prefix="jaxppo-compare-")
-    critic_dir = args.critic or str(save_hf_checkpoint(split(critic_params, is_adapter)[1], mcfg,
-                                                       Path(tmp.name) / "critic", head="value"))
-    t_load = lambda d: ref_torch.load_hf_model(d, tdt, args.device, inv_freq=mcfg.inv_freq())  # noqa: E731
-    t_actor, t_critic = t_load(args.model).train(), t_load(critic_dir).train()
-    if cfg.model.remat != "none":
-        for m in (t_actor, t_critic):
-            m.gradient_checkpointing_enable()
-    hf32 = lambda tree: {n: np.asarray(x) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
-    t_name = ref_torch.peft_to_hf if (a_lora.rank or c_lora.rank) else (lambda n: n)
-    if a_lora.rank:
-        t_actor = ref_torch.wrap_lora(t_actor, a_lora.rank, a_lora.alpha, a_lora.targets,
-                                      hf32(split(actor_params, is_adapter)[0]))
-    if c_lora.rank:
-        t_critic = ref_torch.wrap_lora(t_critic, c_lora.rank, c_lora.alpha, c_lora.targets,
-                                       hf32(split(critic_params, is_adapter)[0]), train_head=True)
-    if f64:  # peft's adapters as well
-        t_actor, t_critic = t_actor.double(), t_critic.double()
-    if a_lora.rank:
-        t_ref = ref_torch.AdaptersOff(t_actor)
-    else:
-        t_ref = t_load(args.ref) if (use_ref and args.ref) else t_actor
-    return _Models(actor_mod, actor_params, critic_mod, critic_params, mcfg, (t_actor, t_critic, t_ref), t_name, tmp)
-
-
-@dataclasses.dataclass
-class _JaxStep:
-    """jaxppo's side of the step: its results by quantity (`J`), its engines and final states, the batch as sharded,
-    the advantage function and rewards (for timing), the trained parameters' change."""
-
-    J: dict
-    actor: Any
-    critic: Any
-    a_state: Any
-    c_state: Any
-    sharded: Any
-    adv_fn: Any
-    rewards: Any
-    token_scores: Any
-    a0: dict
-    c0: dict
-    a_delta: dict
-    c_delta: dict
-
-
-def _jax_step(args, cfg, models: _Models, kw: dict, mesh, a_cfg, c_cfg, loras: tuple, use_ref: bool, full_kl: bool,
-              batch_np: dict, scores, group_ids, minibatches, R: int, total: int, temp: float, pdt) -> _JaxStep:
-    import jax
-    import jax.numpy as jnp
-
-    from jaxppo import ppo
-    from jaxppo.engine import ActorEngine, CriticEngine
-    from jaxppo.models import load_model
-    from jaxppo.models.hf_io import export_hf_arrays
-    from jaxppo.models.lora import is_adapter, zeros_like_adapters
-
-    alg = cfg.algorithm
-    a_lora, c_lora = loras
-    rmask = batch_np["response_mask"]
-    actor = ActorEngine(models.actor_mod, mesh, a_cfg, R, total, temp, trainable=is_adapter if a_lora.rank else None)
-    critic = CriticEngine(models.critic_mod, mesh, c_cfg, R, total,
-                          trainable=(lambda p: is_adapter(p) or p[0] == "score") if c_lora.rank else None)
-    actor_params = models.actor_params
-    if not a_lora.rank:
-        # (a copy: the actor's buffers are donated to its updates, and the exact-KL loss reads the reference there)
-        ref_params = load_model(args.ref, **kw)[1] if (use_ref and args.ref) else jax.tree.map(jnp.copy, actor_params)
-    a_state, c_state = actor.init_state(actor_params), critic.init_state(models.critic_params)
-    models.actor_params = models.critic_params = None  # donated to the states
-    if a_lora.rank:  # the base with the adapters zeroed
-        ref_params = zeros_like_adapters(a_state.params)
-    hf32 = lambda tree: {n: np.asarray(x) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
-    a0, c0 = hf32(a_state.params), hf32(c_state.params)  # the trained parameters (under LoRA: the adapters)
-    sharded = actor.shard_batch(batch_np)
-    J: dict = {}
-    J["old_logprobs"] = np.asarray(actor.logprobs(a_state.params, sharded)[0])
-    J["ref_logprobs"] = np.asarray(actor.logprobs(ref_params, sharded)[0]) if use_ref else None
-    J["values"] = np.asarray(critic.values(c_state.params, sharded))
-    token_scores = ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask))
-    rewards = token_scores
-    if alg.use_kl_in_reward:
-        rewards, _ = ppo.apply_kl_penalty(token_scores, J["old_logprobs"], J["ref_logprobs"], rmask,
-                                          alg.kl_ctrl.kl_coef, alg.kl_penalty)
-    adv_fn = jax.jit(lambda r, m, v: ppo.compute_advantages("gae", r, m, values=v, group_ids=jnp.asarray(group_ids),
-                                                            gamma=alg.gamma, lam=alg.lam))
-    adv, ret = adv_fn(jnp.asarray(rewards), jnp.asarray(rmask), jnp.asarray(J["values"]))
-    J["token_rewards"], J["advantages"], J["returns"] = np.asarray(rewards), np.asarray(adv), np.asarray(ret)
-
-    J["critic"], J["actor"], J["critic_grads"], J["actor_grads"] = [], [], [], []
-    ref_kw = {"ref_params": ref_params} if full_kl else {}
-    hf64 = lambda tree: {n: np.asarray(x, np.float64) for n, x in export_hf_arrays(tree, pdt)}  # noqa: E731
-    for part in minibatches(batch_np, J):
-        cb = critic.shard_batch(_critic_part(part))
-        J["critic_grads"].append(hf64(critic.gradients(c_state.params, cb)))
-        c_state, m = critic.update(c_state, cb)
-        J["critic"].append(jax.device_get(m))
-    for part in minibatches(batch_np, J):
-        ab = actor.shard_batch(_actor_part(part))
-        J["actor_grads"].append(hf64(actor.gradients(a_state.params, ab, ref_params if full_kl else None)))
-        a_state, m = actor.update(a_state, ab, **ref_kw)
-        J["actor"].append(jax.device_get(m))
-    a_delta = {n: np.asarray(x) - a0[n] for n, x in export_hf_arrays(a_state.params, pdt)}
-    c_delta = {n: np.asarray(x) - c0[n] for n, x in export_hf_arrays(c_state.params, pdt)}
-    return _JaxStep(J, actor, critic, a_state, c_state, sharded, adv_fn, rewards, token_scores, a0, c0, a_delta,
-                    c_delta)
+    return {n: np.asarray(x, cast) for n, x in export_hf_arrays(tree, dtype)}
 
 
 @dataclasses.dataclass
@@ -437,6 +310,138 @@ def _setup(args, overrides: list[str]) -> _Setup:
                   cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "full", a_lora, c_lora)
 
 
+@dataclasses.dataclass
+class _Models:
+    """The same weights in both frameworks: jaxppo's modules and parameters, the torch actor, critic and reference
+    (bridge/reference.py; peft's adapters under LoRA), the torch parameter-name map, the config of the model."""
+
+    actor_mod: Any
+    actor_params: Any
+    critic_mod: Any
+    critic_params: Any
+    mcfg: Any
+    torch_models: tuple  # (actor, critic, reference)
+    t_name: Any
+    tmp: Any  # the temporary directory of a critic written for torch (cleaned up by the caller)
+
+
+def _load_both(args, st: _Setup) -> _Models:
+    import tempfile
+
+    import jax
+
+    from bridge import reference as ref_torch
+    from jaxppo.models import load_model, save_hf_checkpoint
+    from jaxppo.models.lora import is_adapter, split
+
+    cfg, kw, a_lora, c_lora = st.cfg, st.kw, st.a_lora, st.c_lora
+    actor_mod, actor_params, mcfg = load_model(args.model, rng=jax.random.PRNGKey(args.seed + 2), lora=a_lora, **kw)
+    critic_mod, critic_params, _ = load_model(args.critic or args.model, "value", rng=jax.random.PRNGKey(args.seed),
+                                              lora=c_lora, **kw)
+    tmp = tempfile.TemporaryDirectory(prefix="jaxppo-compare-")
+    critic_dir = args.critic or str(save_hf_checkpoint(split(critic_params, is_adapter)[1], mcfg,
+                                                       Path(tmp.name) / "critic", head="value"))
+    t_load = lambda d: ref_torch.load_hf_model(d, st.tdt, args.device, inv_freq=mcfg.inv_freq())  # noqa: E731
+    t_actor, t_critic = t_load(args.model).train(), t_load(critic_dir).train()
+    if cfg.model.remat != "none":
+        for m in (t_actor, t_critic):
+            m.gradient_checkpointing_enable()
+    t_name = ref_torch.peft_to_hf if (a_lora.rank or c_lora.rank) else (lambda n: n)
+    if a_lora.rank:
+        t_actor = ref_torch.wrap_lora(t_actor, a_lora.rank, a_lora.alpha, a_lora.targets,
+                                      _hf_numpy(split(actor_params, is_adapter)[0], st.pdt))
+    if c_lora.rank:
+        t_critic = ref_torch.wrap_lora(t_critic, c_lora.rank, c_lora.alpha, c_lora.targets,
+                                       _hf_numpy(split(critic_params, is_adapter)[0], st.pdt), train_head=True)
+    if st.f64:  # peft's adapters as well
+        t_actor, t_critic = t_actor.double(), t_critic.double()
+    if a_lora.rank:
+        t_ref = ref_torch.AdaptersOff(t_actor)
+    else:
+        t_ref = t_load(args.ref) if (st.use_ref and args.ref) else t_actor
+    return _Models(actor_mod, actor_params, critic_mod, critic_params, mcfg, (t_actor, t_critic, t_ref), t_name, tmp)
+
+
+@dataclasses.dataclass
+class _JaxStep:
+    """jaxppo's side of the step: its results by quantity (`J`), its engines and final states, the batch as sharded,
+    the advantage function and rewards (for timing), the trained parameters' change."""
+
+    J: dict
+    actor: Any
+    critic: Any
+    a_state: Any
+    c_state: Any
+    sharded: Any
+    adv_fn: Any
+    rewards: Any
+    token_scores: Any
+    a0: dict
+    c0: dict
+    a_delta: dict
+    c_delta: dict
+
+
+def _jax_step(args, st: _Setup, models: _Models, batch_np: dict, scores, group_ids, minibatches, total: int,
+              temp: float) -> _JaxStep:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxppo import ppo
+    from jaxppo.engine import ActorEngine, CriticEngine
+    from jaxppo.models import load_model
+    from jaxppo.models.lora import is_adapter, zeros_like_adapters
+
+    cfg, R, pdt, use_ref, full_kl = st.cfg, st.R, st.pdt, st.use_ref, st.full_kl
+    alg = cfg.algorithm
+    a_lora, c_lora = st.a_lora, st.c_lora
+    rmask = batch_np["response_mask"]
+    actor = ActorEngine(models.actor_mod, st.mesh, st.a_cfg, R, total, temp, trainable=is_adapter if a_lora.rank else None)
+    critic = CriticEngine(models.critic_mod, st.mesh, st.c_cfg, R, total,
+                          trainable=(lambda p: is_adapter(p) or p[0] == "score") if c_lora.rank else None)
+    actor_params = models.actor_params
+    if not a_lora.rank:
+        # (a copy: the actor's buffers are donated to its updates, and the exact-KL loss reads the reference there)
+        ref_params = load_model(args.ref, **st.kw)[1] if (use_ref and args.ref) else jax.tree.map(jnp.copy, actor_params)
+    a_state, c_state = actor.init_state(actor_params), critic.init_state(models.critic_params)
+    models.actor_params = models.critic_params = None  # donated to the states
+    if a_lora.rank:  # the base with the adapters zeroed
+        ref_params = zeros_like_adapters(a_state.params)
+    a0, c0 = _hf_numpy(a_state.params, pdt), _hf_numpy(c_state.params, pdt)  # the trained parameters (under LoRA: the adapters)
+    sharded = actor.shard_batch(batch_np)
+    J: dict = {}
+    J["old_logprobs"] = np.asarray(actor.logprobs(a_state.params, sharded)[0])
+    J["ref_logprobs"] = np.asarray(actor.logprobs(ref_params, sharded)[0]) if use_ref else None
+    J["values"] = np.asarray(critic.values(c_state.params, sharded))
+    token_scores = ppo.scores_to_token_level(jnp.asarray(scores), jnp.asarray(rmask))
+    rewards = token_scores
+    if alg.use_kl_in_reward:
+        rewards, _ = ppo.apply_kl_penalty(token_scores, J["old_logprobs"], J["ref_logprobs"], rmask,
+                                          alg.kl_ctrl.kl_coef, alg.kl_penalty)
+    adv_fn = jax.jit(lambda r, m, v: ppo.compute_advantages("gae", r, m, values=v, group_ids=jnp.asarray(group_ids),
+                                                            gamma=alg.gamma, lam=alg.lam))
+    adv, ret = adv_fn(jnp.asarray(rewards), jnp.asarray(rmask), jnp.asarray(J["values"]))
+    J["token_rewards"], J["advantages"], J["returns"] = np.asarray(rewards), np.asarray(adv), np.asarray(ret)
+
+    J["critic"], J["actor"], J["critic_grads"], J["actor_grads"] = [], [], [], []
+    ref_kw = {"ref_params": ref_params} if full_kl else {}
+    for part in minibatches(batch_np, J):
+        cb = critic.shard_batch(_critic_part(part))
+        J["critic_grads"].append(_hf_numpy(critic.gradients(c_state.params, cb), pdt, np.float64))
+        c_state, m = critic.update(c_state, cb)
+        J["critic"].append(jax.device_get(m))
+    for part in minibatches(batch_np, J):
+        ab = actor.shard_batch(_actor_part(part))
+        J["actor_grads"].append(_hf_numpy(actor.gradients(a_state.params, ab, ref_params if full_kl else None), pdt,
+                                              np.float64))
+        a_state, m = actor.update(a_state, ab, **ref_kw)
+        J["actor"].append(jax.device_get(m))
+    a_delta = {n: x - a0[n] for n, x in _hf_numpy(a_state.params, pdt).items()}
+    c_delta = {n: x - c0[n] for n, x in _hf_numpy(c_state.params, pdt).items()}
+    return _JaxStep(J, actor, critic, a_state, c_state, sharded, adv_fn, rewards, token_scores, a0, c0, a_delta,
+                    c_delta)
+
+
 def _sampled(args, st: _Setup, models: _Models) -> tuple[dict, np.ndarray, Any]:
     """The batch both frameworks train on: responses sampled by the engine from the actor's weights (in float32
     when the comparison runs in float64: only their tokens are used), then (batch, scores, group ids)."""
@@ -465,7 +470,7 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
 
     st = _setup(args, overrides)
     cfg, K, mb = st.cfg, st.K, st.mb
-    models = _load_both(args, cfg, st.kw, st.a_lora, st.c_lora, st.use_ref, st.tdt, st.pdt, st.f64)
+    models = _load_both(args, st)
     batch_np, scores, group_ids = _sampled(args, st, models)
     rmask = batch_np["response_mask"]
     temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
@@ -478,8 +483,7 @@ def ppo_step_report(args, overrides: list[str]) -> dict:
         return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(K)]
 
     total = K * cfg.actor.ppo_epochs
-    j = _jax_step(args, cfg, models, st.kw, st.mesh, st.a_cfg, st.c_cfg, (st.a_lora, st.c_lora), st.use_ref,
-                  st.full_kl, batch_np, scores, group_ids, minibatches, st.R, total, temp, st.pdt)
+    j = _jax_step(args, st, models, batch_np, scores, group_ids, minibatches, total, temp)
     a_lr, c_lr = lr_schedule(cfg.actor.optim, total), lr_schedule(cfg.critic.optim, total)
     (T, tb, t_rewards, a_opt, c_opt, ta_delta, tc_delta, torch_batches) = _torch_step(
         args, cfg, models.torch_models, models.t_name, batch_np, j.token_scores, minibatches, (a_lr, c_lr),
