@@ -12,8 +12,11 @@ arguments, outputs, aliases, temporaries) decides:
             A user's budget (> 0) is compiled and checked, never changed. Padded phases have one shape.
   split     with in-process vLLM, `rollout.gpu_memory_utilization` 0 (automatic): JAX gets its planned peak plus
             the margin, vLLM the rest of the card (less MARGIN for CUDA contexts); an explicit value wins and is
-            checked. vLLM needs its weights, graphs and activations and the KV cache of one max-length sequence;
-            the plan says how many sequences its cache holds at once (the rest run in waves).
+            checked. The budgets are searched beside room for vLLM to hold the whole batch at once; a program
+            that does not fit there even at the smallest budget is searched again beside vLLM running the batch
+            in waves, half as many sequences at a time each try, down to what vLLM needs to run at all (its
+            weights, graphs and activations, the KV cache of one max-length sequence). The plan says how many
+            sequences its cache holds at once (the rest run in waves).
 
 The executables compiled here are the ones the run calls (`jaxppo.programs.Program`): padded phases compile
 exactly once per start. A run that cannot fit at any budget raises ConfigError (exit 2) before vLLM starts,
@@ -181,16 +184,26 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
         search_limit = jax_limit
     else:
         jax_limit = search_limit = None
-    if vllm and r.gpu_memory_utilization == 0 and search_limit < resident + margin + GiB:
-        search_limit = int((1.0 - memory.MARGIN) * card) - vllm_minimum(cfg, build.actor_cfg)  # vLLM in waves
     avail = None if search_limit is None else search_limit - resident - margin
-    if avail is not None and avail <= 0:  # the states alone do not fit: nothing to compile
+    # the JAX shares a packed phase's budget is searched in, in turn: with an automatic split, beside room for the
+    # whole batch's KV cache, then, for a program that does not fit there even at the smallest budget, beside
+    # vLLM running the step's sequences in waves, half as many at once each time (down to one max-length sequence)
+    limits = [avail]
+    if vllm and r.gpu_memory_utilization == 0:
+        seqs = min(step_seqs, VLLM_MAX_SEQS)
+        while seqs > 1:
+            seqs = -(-seqs // 2)
+            limits.append(int((1.0 - memory.MARGIN) * card) - (weights + VLLM_OVERHEAD + kv_seq * seqs)
+                          - resident - margin)
+    if avail is not None and max(limits) <= 0:  # the states alone do not fit: nothing to compile
+        search_limit = resident + margin + max(limits)
         plan = Plan(states, [], margin, card, jax_limit if jax_limit is not None else search_limit, None,
                     memory.TokenBudgets(0, 0, 0, 0))
         raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(
             [f"the states alone take {resident / GiB:.1f} GiB per device (+ margin {margin / GiB:.1f}) of the "
              f"{search_limit / GiB:.1f} GiB JAX may use" + (" beside vLLM's minimum" if vllm else "")]
             + _what_to_change(cfg, plan, build.shards)) + "\n" + plan.table())
+    limits = [x for x in limits if x is None or x > 0]
 
     rows_step = step_seqs // jax.process_count()
     seeds = memory.token_budgets(cfg, build.actor_cfg, build.critic_cfg, build.shards, card)
@@ -228,17 +241,22 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
                 return max(m.beside(r) for m, (_, r) in zip(mems, programs))
 
             def cost(budget: int) -> int:
-                probed[budget] = measure(budget, True)
+                if budget not in probed:  # compiled once, whichever search asks
+                    probed[budget] = measure(budget, True)
                 return worst(probed[budget])
 
             if given > 0:
                 budget, tries = given, 1
                 cost(given)
             else:
-                budget, tries, _ = search_budget(cost, avail, rungs, seed, width)
-                if budget is None:
+                for limit in limits:  # beside the whole batch's KV cache, then vLLM in waves
+                    budget, _, _ = search_budget(cost, limit, rungs, seed, width)
+                    if budget is not None:
+                        break
+                tries = len(probed)
+                if budget is None:  # the largest share JAX was offered (vLLM at its fewest sequences at once)
                     raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin,
-                                               search_limit, worst(probed[rungs[0]])))
+                                               resident + margin + limits[-1], worst(probed[rungs[0]])))
             out = [Phase(n, budget_key, budget, m, m.beside(r), tries)
                    for n, m, (_, r) in zip(names, probed[budget], programs)]
             return out, lambda: [(n, m, r) for n, m, (_, r) in zip(names, measure(budget, False), programs)], \
@@ -345,6 +363,25 @@ def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None
     return out
 
 
+def watch_late_compiles(plan: Plan, programs: list[Any]) -> None:
+    """Log each of `programs` (jaxppo.programs.Program) compiled once the run has started: a signature the plan did
+    not compile (a packed phase's further bucket, or a miss). A warning, naming what differs, when XLA asks more
+    for it than for the plan's largest program: the run may then not fit what JAX reserved."""
+    def late(program: Any, exe: Any, diff: str) -> None:
+        mem = Memory.of(exe)
+        own = mem.temps + max(mem.outputs - mem.aliases, 0)
+        planned = plan.peak_phase.program if plan.phases else 0
+        over = own > planned
+        (log.warning if over else log.info)(
+            "%s compiled after the start (%s): temporaries + outputs %.2f GiB, arguments %.2f GiB; the plan's largest "
+            "program %.2f GiB beside %.2f GiB of states%s%s", program.name, diff, own / GiB, mem.arguments / GiB,
+            planned / GiB, plan.resident / GiB,
+            f", JAX's share {plan.jax_limit / GiB:.1f} GiB" if plan.jax_limit else "",
+            ": MORE THAN PLANNED" if over else "")
+    for p in programs:
+        p.late = late
+
+
 def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, step_seqs: int, held: int | None = None) -> Plan:
     """vLLM's share: the rest of the card beside what JAX holds (`held`, else its need: automatic), or the
     configured fraction."""
@@ -421,4 +458,5 @@ def _refusal(cfg: Any, build: Any, name: str, key: str, smallest: int, resident:
             "data.max_prompt_length / max_response_length, or shard over more devices (mesh.fsdp)")
 
 
-__all__ = ["Plan", "Phase", "VllmShare", "make_plan", "finalize", "check", "search_budget", "ladder", "vllm_minimum"]
+__all__ = ["Plan", "Phase", "VllmShare", "make_plan", "finalize", "watch_late_compiles", "check", "search_budget",
+           "ladder", "vllm_minimum"]

@@ -73,6 +73,9 @@ class Program:
         self.static = frozenset(static_argnums)
         self.executables: dict[tuple, Any] = {}
         self._lock = threading.Lock()
+        # called with (this program, the new executable, what differs from the ones compiled before) for each
+        # compile once the run has started (`jaxppo.plan.watch_late_compiles`): a signature the plan did not see
+        self.late: Callable[["Program", Any, str], None] | None = None
 
     def signature(self, args: Sequence[Any]) -> tuple:
         static = tuple(args[i] for i in sorted(self.static))
@@ -86,8 +89,11 @@ class Program:
         with self._lock:
             exe = self.executables.get(key)
             if exe is None:
+                before = list(self.executables)
                 exe = self.jitted.lower(*args).compile()
                 self.executables[key] = exe
+                if self.late is not None:
+                    self.late(self, exe, difference(key, before))
         return exe
 
     def memory(self, *args: Any) -> Memory:
@@ -113,6 +119,26 @@ class Program:
 
     def compiles(self) -> int:
         return len(self.executables)
+
+
+def difference(key: tuple, before: list[tuple]) -> str:
+    """What sets signature `key` apart from the nearest of `before` (Program.signature's): the static arguments,
+    the tree, or the leaves (by position: shape, dtype, weak type, sharding) that differ."""
+    if not before:
+        return "the first compile of this program"
+    static, tree, leaves = key
+    best = None
+    for s, t, ls in before:
+        if t != tree or len(ls) != len(leaves):
+            diff = ["static arguments " + repr(s) + " -> " + repr(static)] if s != static else []
+            diff.append("a different argument tree")
+        else:
+            diff = (["static arguments " + repr(s) + " -> " + repr(static)] if s != static else []) + [
+                f"leaf {i}: {old[:3]} -> {new[:3]}" + (" (sharding)" if old[3] != new[3] else "")
+                for i, (old, new) in enumerate(zip(ls, leaves)) if old != new]
+        if best is None or len(diff) < len(best):
+            best = diff
+    return "; ".join(best[:6]) + (f" (+{len(best) - 6} more)" if len(best) > 6 else "")
 
 
 def abstract(tree: Any) -> Any:

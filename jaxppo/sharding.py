@@ -55,7 +55,12 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
             raise ConfigError(f"mesh: {sizes} cannot fill {num_devices} devices ({num_devices} is not a multiple of {fixed})")
         sizes[free[0]] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
-        raise ConfigError(f"mesh: {sizes} needs {math.prod(sizes.values())} devices but {num_devices} are available")
+        need = math.prod(sizes.values())
+        fits = {a: s for a, s in sizes.items() if s > 1}
+        one = ", ".join(f"mesh.{a}={num_devices if a == next(iter(fits), None) else 1}" for a in fits)
+        raise ConfigError(f"mesh: {sizes} needs {need} devices but {num_devices} are available: run on {need} "
+                          f"devices (docs/distributed.md), or set the mesh to these {num_devices} ({one}; an axis of "
+                          "-1 takes what is there) and the memory plan says at start whether the run fits them")
     return sizes
 
 

@@ -18,7 +18,7 @@ import jax
 from jaxppo import distributed as dist
 from jaxppo import memory
 from jaxppo import start
-from jaxppo.plan import finalize
+from jaxppo.plan import finalize, watch_late_compiles
 from jaxppo import step as ppo_step
 from jaxppo import validation
 from jaxppo.checkpoint import RunCheckpointer, restore_from
@@ -93,6 +93,8 @@ class PPOTrainer:
         # the rollout engine starts: vLLM checks at start that its share of the card is free (docs/memory.md)
         self.plan = finalize(cfg, self.plan, memory.pool_bytes)
         log.info("memory plan with the programs the run calls:\n%s", self.plan.table())
+        watch_late_compiles(self.plan, [p for e in (b.actor, b.critic) if e is not None
+                                        for p in (e._forward_jit, e._update_jit) if p is not None])
         if self.plan.vllm is not None and jax.default_backend() == "gpu":
             log.info(memory.describe(self.plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")))
         engine = engine_factory(self.model_dir, self)

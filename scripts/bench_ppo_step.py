@@ -144,6 +144,12 @@ def main(argv=None) -> int:
     if cfg0.rollout.engine == "vllm":
         import vllm.logger  # noqa: F401  (configures vLLM's logger, which our collector then joins)
     logging.getLogger("vllm").addHandler(start_log)
+    # the trainer's own log (the memory plan's table, compiles after the start) into this run's output
+    ours = logging.StreamHandler()
+    ours.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("jaxppo").addHandler(ours)
+    logging.getLogger("jaxppo").setLevel(logging.INFO)
+    logging.getLogger("jaxppo").propagate = False  # (a library may give the root logger a handler too)
     import jax
     import numpy as np
 

@@ -29,6 +29,9 @@ SHAPES: dict[str, ModelConfig] = {
     # for CPU smoke tests of the benchmark scripts
     "tiny": ModelConfig(**{**_QWEN, "vocab_size": 512, "eos_token_id": 1, "pad_token_id": 0, "bos_token_id": 0}, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
+    "tiny-qwen3": ModelConfig(**{**_QWEN3, "vocab_size": 512, "eos_token_id": 1, "pad_token_id": 0, "head_dim": 32,
+                                 "bos_token_id": 0}, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False),
 }
 
 

@@ -217,6 +217,39 @@ def test_the_split_gives_vllm_the_rest_or_checks_the_configured_share(tmp_path, 
                  "rollout.gpu_memory_utilization=0.01")
 
 
+def test_a_program_too_large_beside_the_whole_batch_runs_beside_vllm_in_waves(tmp_path, one_device, monkeypatch):
+    """Automatic split: when the actor update does not fit at the smallest budget beside vLLM holding the whole
+    batch at once, the search tries again beside vLLM running it in waves (half as many sequences at once each
+    time) and the run starts with vLLM holding as many as fit; the 7B PPO offload config was refused on one H200
+    (2026-12-03) for want of this. A KV cache of one sequence as large as the run's whole need makes the card's
+    size decide between whole batch, half and refusal."""
+    from jaxppo import memory, plan as plan_mod
+    from jaxppo.errors import ConfigError
+    from jaxppo.plan import VLLM_OVERHEAD, ladder
+
+    base = [*PACKED, "rollout.engine=vllm"]
+    cfg = load_config(ROOT / "configs" / "default.yaml", [f"trainer.default_local_dir={tmp_path / 'r'}", *base])
+    smallest = ladder(cfg.data.max_prompt_length + cfg.data.max_response_length)[0]
+    # the run's need with the update at the smallest budget, on a card that holds anything
+    need0 = prepared(tmp_path, *base, "trainer.device_memory_gb=1000",
+                     f"actor.ppo_max_token_len_per_device={smallest}").plan.need
+    weights, kv = 2**20, need0  # one sequence's KV cache as large as JAX's whole need
+    monkeypatch.setattr(plan_mod, "vllm_sizes", lambda cfg, model: (weights, kv))
+    seqs = cfg.data.train_batch_size * cfg.rollout.n  # 16: the whole batch
+    # room for JAX beside half the batch's KV cache, and 1 MiB more: not beside the whole batch
+    card = (weights + VLLM_OVERHEAD + kv * (seqs // 2) + need0 + 2**20) / (1 - memory.MARGIN)
+    plan = prepared(tmp_path, *base, f"trainer.device_memory_gb={card / 2**30}").plan
+    assert plan.fits and plan.budgets.actor_update >= smallest
+    assert plan.vllm.sequences == seqs // 2 and plan.vllm.bytes >= plan.vllm.minimum
+    whole = weights + VLLM_OVERHEAD + kv * seqs
+    assert whole + plan.need > (1 - memory.MARGIN) * card  # beside the whole batch it would not have fit
+    assert "run in 2 waves" in plan.table()
+    # a card that cannot hold JAX's need beside even one sequence: refused, naming the phase and the budget
+    small = (weights + VLLM_OVERHEAD + kv + need0 // 2) / (1 - memory.MARGIN)
+    with pytest.raises(ConfigError, match=f"actor update does not fit at the smallest budget .*={smallest}"):
+        prepared(tmp_path, *base, f"trainer.device_memory_gb={small / 2**30}")
+
+
 def test_jax_takes_its_share_as_one_allocation_and_the_planning_child_grows_on_demand():
     from jaxppo import memory
 
@@ -269,3 +302,34 @@ def test_every_gpu_config_check_on_record_stayed_within_its_plan():
         if f["exit_code"] == 0 and "jax_peak_gb" in f:
             assert f["jax_peak_gb"] <= f["plan_gb"] <= 1.10 * f["jax_peak_gb"], (row["check"], row["commit"], f)
     assert np.all([isinstance(r["figures"]["exit_code"], int) for r in rows])
+
+
+def test_a_compile_after_the_start_is_logged_with_what_differs_and_a_warning_when_larger_than_planned(caplog):
+    """Once the run has started, a program compiled for a signature the plan did not see is logged, naming the
+    argument that differs; a warning when XLA asks more for it than for the plan's largest program (the Qwen3-8B
+    LoRA check on the H200 compiled a 136 GiB program in its first step against a 68 GiB share, 2026-12-03)."""
+    import logging
+
+    import jax.numpy as jnp
+
+    from jaxppo import memory
+    from jaxppo.plan import Phase, Plan, watch_late_compiles
+    from jaxppo.programs import Memory, Program
+
+    prog = Program(lambda x, y: (x * 2, y + 1), name="double")
+    prog(jnp.ones(4), jnp.ones(4))  # what the plan compiled
+    small = Memory(0, 0, 0, 4096, 0)
+    plan = Plan({"states": 2**20}, [Phase("double", None, None, small, 4096, 1)], 0, 2**30, 2**30, None,
+                memory.TokenBudgets(0, 0, 0, 0))
+    watch_late_compiles(plan, [prog])
+    with caplog.at_level(logging.INFO, logger="jaxppo"):
+        prog(jnp.ones(4), jnp.ones(4))  # the planned signature: no compile, nothing logged
+        assert not caplog.records
+        prog(jnp.ones(2), jnp.ones(4))  # smaller: logged, no warning
+        prog(jnp.ones(4), jnp.ones((1024, 1024)))  # 4 MiB of output against a 4 KiB plan
+    info, warn = caplog.records
+    assert info.levelno == logging.INFO and "leaf 0: ((4,), 'float32', False) -> ((2,), 'float32', False)" \
+        in info.getMessage() and "MORE THAN PLANNED" not in info.getMessage()
+    assert warn.levelno == logging.WARNING and "double compiled after the start" in warn.getMessage()
+    assert "leaf 1: ((4,), 'float32', False) -> ((1024, 1024), 'float32', False)" in warn.getMessage()
+    assert "MORE THAN PLANNED" in warn.getMessage() and prog.compiles() == 3

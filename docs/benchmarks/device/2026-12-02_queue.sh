@@ -27,7 +27,7 @@ grpo7b|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps
 lora7b|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b.json --workdir $Q/w/lora7b
 EOF
   # one job per config check (scripts/check_configs.py's names): check_<name>
-  for c in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b-lora qwen2.5-7b grpo-qwen2.5-7b qwen2.5-7b-offload grpo-qwen2.5-0.5b \
+  for c in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b-lora qwen2.5-7b qwen2.5-7b-one-card grpo-qwen2.5-7b qwen2.5-7b-offload grpo-qwen2.5-0.5b \
            grpo-qwen2.5-1.5b dapo-qwen2.5-0.5b drgrpo-qwen2.5-0.5b gspo-qwen2.5-0.5b qwen3-0.6b qwen3-1.7b qwen3-4b \
            qwen3-8b-lora; do
     echo "check_$c|$PY scripts/check_configs.py --only $c --steps 3 --timeout 900 --ledger $Q/results.jsonl --workdir $Q/cc"
