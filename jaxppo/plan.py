@@ -158,6 +158,43 @@ def vllm_minimum(cfg: Any, model: Any) -> int:
     return weights + VLLM_OVERHEAD + kv
 
 
+def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, weights: int, kv_seq: int,
+            step_seqs: int, shards: int) -> tuple[int | None, list[int | None]]:
+    """(JAX's share when fixed: an explicit split, or no vLLM; the room beside the states that a packed phase's
+    budget is searched in, in turn). With an automatic split: beside room for the whole batch's KV cache, then, for
+    a program that does not fit there even at the smallest budget, beside vLLM running the step's sequences in
+    waves, half as many at once each time, down to one max-length sequence. ConfigError when the states alone do
+    not fit."""
+    r = cfg.rollout
+    resident = sum(states.values())
+    vllm = r.engine == "vllm" and card is not None
+    usable = None if card is None else int((1.0 - memory.MARGIN) * card)
+    if vllm and r.gpu_memory_utilization > 0:
+        jax_limit = search_limit = int((1.0 - r.gpu_memory_utilization - memory.MARGIN) * card)
+    elif vllm:  # automatic: room for vLLM to run every sequence of the step at once if the card allows
+        jax_limit = None
+        search_limit = usable - (weights + VLLM_OVERHEAD + kv_seq * min(step_seqs, VLLM_MAX_SEQS))
+    elif card is not None:
+        jax_limit = search_limit = int(memory.jax_fraction() * card) if cfg.trainer.device_memory_gb <= 0 else card
+    else:
+        return None, [None]
+    limits = [search_limit - resident - margin]
+    if vllm and r.gpu_memory_utilization == 0:
+        seqs = min(step_seqs, VLLM_MAX_SEQS)
+        while seqs > 1:
+            seqs = -(-seqs // 2)
+            limits.append(usable - (weights + VLLM_OVERHEAD + kv_seq * seqs) - resident - margin)
+    if max(limits) <= 0:  # the states alone do not fit: nothing to compile
+        largest = resident + margin + max(limits)
+        plan = Plan(states, [], margin, card, jax_limit if jax_limit is not None else largest, None,
+                    memory.TokenBudgets(0, 0, 0, 0))
+        raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(
+            [f"the states alone take {resident / GiB:.1f} GiB per device (+ margin {margin / GiB:.1f}) of the "
+             f"{largest / GiB:.1f} GiB JAX may use" + (" beside vLLM's minimum" if vllm else "")]
+            + _what_to_change(cfg, plan, shards)) + "\n" + plan.table())
+    return jax_limit, [x for x in limits if x > 0]
+
+
 def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int, int] | None = None) -> Plan:
     """Compile the step's programs for `build` (a `jaxppo.build.Build`: engines and abstract states) and choose
     the budgets and the vLLM / JAX split; raises ConfigError when nothing fits, saying what to change.
@@ -172,38 +209,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     vllm = r.engine == "vllm" and card is not None
     step_seqs = d.train_batch_size * r.n
     weights, kv_seq = vllm_sizes(cfg, build.actor_cfg)
-    if vllm and r.gpu_memory_utilization > 0:
-        jax_limit = int((1.0 - r.gpu_memory_utilization - memory.MARGIN) * card)
-        search_limit = jax_limit
-    elif vllm:  # automatic: room for vLLM to run every sequence of the step at once if the card allows
-        jax_limit = None
-        target = weights + VLLM_OVERHEAD + kv_seq * min(step_seqs, VLLM_MAX_SEQS)
-        search_limit = int((1.0 - memory.MARGIN) * card) - target
-    elif card is not None:
-        jax_limit = int(memory.jax_fraction() * card) if cfg.trainer.device_memory_gb <= 0 else card
-        search_limit = jax_limit
-    else:
-        jax_limit = search_limit = None
-    avail = None if search_limit is None else search_limit - resident - margin
-    # the JAX shares a packed phase's budget is searched in, in turn: with an automatic split, beside room for the
-    # whole batch's KV cache, then, for a program that does not fit there even at the smallest budget, beside
-    # vLLM running the step's sequences in waves, half as many at once each time (down to one max-length sequence)
-    limits = [avail]
-    if vllm and r.gpu_memory_utilization == 0:
-        seqs = min(step_seqs, VLLM_MAX_SEQS)
-        while seqs > 1:
-            seqs = -(-seqs // 2)
-            limits.append(int((1.0 - memory.MARGIN) * card) - (weights + VLLM_OVERHEAD + kv_seq * seqs)
-                          - resident - margin)
-    if avail is not None and max(limits) <= 0:  # the states alone do not fit: nothing to compile
-        search_limit = resident + margin + max(limits)
-        plan = Plan(states, [], margin, card, jax_limit if jax_limit is not None else search_limit, None,
-                    memory.TokenBudgets(0, 0, 0, 0))
-        raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(
-            [f"the states alone take {resident / GiB:.1f} GiB per device (+ margin {margin / GiB:.1f}) of the "
-             f"{search_limit / GiB:.1f} GiB JAX may use" + (" beside vLLM's minimum" if vllm else "")]
-            + _what_to_change(cfg, plan, build.shards)) + "\n" + plan.table())
-    limits = [x for x in limits if x is None or x > 0]
+    jax_limit, limits = _limits(cfg, card, states, margin, weights, kv_seq, step_seqs, build.shards)
 
     rows_step = step_seqs // jax.process_count()
     seeds = memory.token_budgets(cfg, build.actor_cfg, build.critic_cfg, build.shards, card)
