@@ -348,8 +348,9 @@ class PPOTrainer:
 
     @contextlib.contextmanager
     def _maybe_profile(self, step: int):
-        """A JAX profiler trace (TensorBoard / Perfetto) of step `step` when it is in trainer.profile_steps;
-        torch's profiler alongside when torch is loaded (the rollout engine), with the same region names."""
+        """A profiler trace of step `step` when it is in trainer.profile_steps: JAX's (TensorBoard / Perfetto) and
+        torch's (the rollout engine; on a GPU every kernel of the process) as trainer.profile_tools names, torch's
+        only when torch is loaded, both with the same region names."""
         t = self.cfg.trainer
         if step not in t.profile_steps:
             yield
@@ -357,7 +358,7 @@ class PPOTrainer:
         out = Path(t.profile_dir or self.run_dir / "profile") / f"step_{step}"
         out.mkdir(parents=True, exist_ok=True)
         torch_prof = None
-        if "torch" in sys.modules:
+        if "torch" in t.profile_tools and "torch" in sys.modules:
             import torch
 
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -366,20 +367,21 @@ class PPOTrainer:
             torch_prof = torch.profiler.profile(activities=acts)
         self._profiling = True
         try:
-            opts = jax.profiler.ProfileOptions()
-            opts.python_tracer_level = 0  # Python call tracing floods the trace (and caps it) with no phase in it
-            with jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=opts):
+            with contextlib.ExitStack() as stack:
+                if "jax" in t.profile_tools:
+                    opts = jax.profiler.ProfileOptions()
+                    opts.python_tracer_level = 0  # Python call tracing floods the trace (and caps it), no phase in it
+                    stack.enter_context(jax.profiler.trace(str(out), create_perfetto_trace=True,
+                                                           profiler_options=opts))
                 if torch_prof is not None:
-                    with torch_prof:
-                        yield
-                else:
-                    yield
+                    stack.enter_context(torch_prof)
+                yield
         finally:
             self._profiling = False
             if torch_prof is not None:
                 torch_prof.export_chrome_trace(str(out / "torch_trace.json"))
             log.info("profile of step %d written to %s (tensorboard --logdir %s, or the *.trace.json.gz / "
-                     "torch_trace.json in https://ui.perfetto.dev)", step, out, out)
+                     "torch_trace.json in https://ui.perfetto.dev; scripts/trace_summary.py %s)", step, out, out, out)
 
     def _early_stop(self, val: dict[str, float]) -> bool:
         t = self.cfg.trainer

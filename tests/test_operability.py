@@ -93,6 +93,18 @@ def test_profile_of_one_step_has_every_phase(tmp_path):
 
 
 @pytest.mark.slow
+def test_profile_tools_picks_the_profilers(tmp_path):
+    """trainer.profile_tools=[torch]: torch's trace only (on a GPU CUPTI takes one subscriber: its record of every
+    kernel, XLA's too, is then torch's), with the step's regions."""
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "trainer.profile_steps=[1]",
+                      "trainer.profile_tools=[torch]", "trainer.logger=[jsonl]")
+    tr.fit()
+    out = tmp_path / "run" / "profile" / "step_1"
+    assert not list(out.rglob("*.trace.json.gz")) and not list(out.rglob("*.xplane.pb"))
+    assert '"gen"' in (out / "torch_trace.json").read_text()
+
+
+@pytest.mark.slow
 def test_nan_rewards_are_skipped_counted_and_never_reach_the_parameters(tmp_path, monkeypatch):
     nan_scores(monkeypatch)
     tr = make_trainer(tmp_path, "trainer.total_training_steps=3", "trainer.max_bad_steps=5")

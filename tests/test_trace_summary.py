@@ -49,3 +49,36 @@ def test_summary_per_device_streams_only(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     assert find_traces(tmp_path) == [path]
+
+
+def test_a_torch_trace_tells_streams_at_once_and_each_regions_gpu_share(tmp_path):
+    """A torch profiler trace (the trainer's trainer.profile_tools=[torch]): per stream busy time, the time two or
+    more streams ran kernels at once, each named region's GPU busy share, the CUDA runtime calls by name."""
+    from scripts.trace_summary import main, summarise_torch
+
+    def kernel(stream, name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
+                "args": {"device": 0, "stream": stream}}
+
+    events = [
+        kernel(7, "loop_add_fusion", 0, 100), kernel(7, "sm90_xmma_gemm_bf16", 150, 100),  # XLA's stream
+        kernel(13, "flash_fwd_kernel", 50, 100), kernel(13, "topk_log_softmax_kernel", 150, 50),  # the engine's
+        {"ph": "X", "cat": "user_annotation", "name": "gen", "pid": 1, "tid": 2, "ts": 0, "dur": 400},
+        {"ph": "X", "cat": "user_annotation", "name": "update_actor", "pid": 1, "tid": 1, "ts": 1000, "dur": 100},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": 1, "tid": 2, "ts": 10, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": 1, "tid": 2, "ts": 60, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 2, "ts": 5, "dur": 3},
+    ]
+    s = summarise_torch(events)
+    assert s["gpu_busy_ms"] == 0.25 and s["window_ms"] == 0.25  # 0..250 us, every instant busy on some stream
+    assert s["streams_at_once_ms"] == 0.1  # 50..100 and 150..200
+    x, v = s["streams"]["device 0 stream 7"], s["streams"]["device 0 stream 13"]
+    assert (x["busy_ms"], x["kernels"], v["busy_ms"], v["kernels"]) == (0.2, 2, 0.15, 2)
+    assert v["categories_ms"] == {"attention": 0.1, "sampling": 0.05}
+    assert s["regions"]["gen"] == {"count": 1, "wall_ms": 0.4, "gpu_busy_ms": 0.25, "gpu_busy_frac": 0.625}
+    assert s["regions"]["update_actor"]["gpu_busy_ms"] == 0.0
+    assert s["cuda_runtime_ms"] == {"cudaGraphLaunch": {"ms": 0.05, "count": 2}}
+    (tmp_path / "step_5").mkdir()
+    (tmp_path / "step_5" / "torch_trace.json").write_text(json.dumps({"traceEvents": events}))
+    assert main([str(tmp_path), "--json-out", str(tmp_path / "s.json")]) == 0  # found and read as torch's
+    assert json.loads((tmp_path / "s.json").read_text()).popitem()[1]["streams_at_once_ms"] == 0.1
