@@ -370,15 +370,15 @@ def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None
 
 
 def watch_late_compiles(plan: Plan, programs: list[Any]) -> None:
-    """Log each of `programs` (jaxppo.programs.Program) compiled once the run has started: a signature the plan did
-    not compile (a packed phase's further bucket, or a miss). A warning, naming what differs, when XLA asks more
-    for it than for the plan's largest program: the run may then not fit what JAX reserved."""
+    """Log each of `programs` (jaxppo.programs.Program) compiled once the run has started, naming what differs: a
+    signature the plan did not compile (a packed phase's further bucket, at debug level, or a miss). A warning when
+    XLA asks more for it than for the plan's largest program: the run may then not fit what JAX reserved."""
     def late(program: Any, exe: Any, diff: str) -> None:
         mem = Memory.of(exe)
         own = mem.temps + max(mem.outputs - mem.aliases, 0)
         planned = plan.peak_phase.program if plan.phases else 0
         over = own > planned
-        (log.warning if over else log.info)(
+        (log.warning if over else log.debug)(
             "%s compiled after the start (%s): temporaries + outputs %.2f GiB, arguments %.2f GiB; the plan's largest "
             "program %.2f GiB beside %.2f GiB of states%s%s", program.name, diff, own / GiB, mem.arguments / GiB,
             planned / GiB, plan.resident / GiB,

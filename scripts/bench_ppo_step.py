@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     logging.getLogger("jaxppo").addHandler(ours)
     logging.getLogger("jaxppo").setLevel(logging.INFO)
     logging.getLogger("jaxppo").propagate = False  # (a library may give the root logger a handler too)
+    logging.getLogger("jaxppo.plan").setLevel(logging.DEBUG)  # every compile after the start, with what differs
     import jax
     import numpy as np
 

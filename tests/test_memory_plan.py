@@ -322,13 +322,13 @@ def test_a_compile_after_the_start_is_logged_with_what_differs_and_a_warning_whe
     plan = Plan({"states": 2**20}, [Phase("double", None, None, small, 4096, 1)], 0, 2**30, 2**30, None,
                 memory.TokenBudgets(0, 0, 0, 0))
     watch_late_compiles(plan, [prog])
-    with caplog.at_level(logging.INFO, logger="jaxppo"):
+    with caplog.at_level(logging.DEBUG, logger="jaxppo"):
         prog(jnp.ones(4), jnp.ones(4))  # the planned signature: no compile, nothing logged
         assert not caplog.records
         prog(jnp.ones(2), jnp.ones(4))  # smaller: logged, no warning
         prog(jnp.ones(4), jnp.ones((1024, 1024)))  # 4 MiB of output against a 4 KiB plan
     info, warn = caplog.records
-    assert info.levelno == logging.INFO and "leaf 0: ((4,), 'float32', False) -> ((2,), 'float32', False)" \
+    assert info.levelno == logging.DEBUG and "leaf 0: ((4,), 'float32', False) -> ((2,), 'float32', False)" \
         in info.getMessage() and "MORE THAN PLANNED" not in info.getMessage()
     assert warn.levelno == logging.WARNING and "double compiled after the start" in warn.getMessage()
     assert "leaf 1: ((4,), 'float32', False) -> ((1024, 1024), 'float32', False)" in warn.getMessage()
