@@ -369,15 +369,31 @@ def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None
     return out
 
 
+# the token budget each of the step's programs runs at (jaxppo.programs.Program names)
+PROGRAM_BUDGETS = {"actor update": "actor.ppo_max_token_len_per_device",
+                   "critic update": "critic.ppo_max_token_len_per_device",
+                   "actor log-probs": "actor.log_prob_max_token_len_per_device",
+                   "critic values": "critic.forward_max_token_len_per_device"}
+
+
 def watch_late_compiles(plan: Plan, programs: list[Any]) -> None:
     """Log each of `programs` (jaxppo.programs.Program) compiled once the run has started, naming what differs: a
     signature the plan did not compile (a packed phase's further bucket, at debug level, or a miss). A warning when
-    XLA asks more for it than for the plan's largest program: the run may then not fit what JAX reserved."""
+    XLA asks more for it than for the plan's largest program; ConfigError (exit 2) when it cannot fit JAX's share
+    beside the states at all, instead of an out-of-memory error when it runs."""
     def late(program: Any, exe: Any, diff: str) -> None:
         mem = Memory.of(exe)
         own = mem.temps + max(mem.outputs - mem.aliases, 0)
         planned = plan.peak_phase.program if plan.phases else 0
         over = own > planned
+        if over and plan.jax_limit and plan.resident + own > plan.jax_limit:  # it cannot run: say why, now
+            key = PROGRAM_BUDGETS.get(program.name)
+            raise ConfigError(
+                f"{program.name} was compiled after the start for arguments the memory plan did not compile ({diff}) "
+                f"and needs {own / GiB:.1f} GiB beside the states' {plan.resident / GiB:.1f} GiB, more than JAX's "
+                f"share of {plan.jax_limit / GiB:.1f} GiB (the plan's largest program: {planned / GiB:.1f} GiB): "
+                + (f"lower {key} (0 lets the plan choose), " if key else "")
+                + "and please report it with this message: the plan should have compiled this shape")
         (log.warning if over else log.debug)(
             "%s compiled after the start (%s): temporaries + outputs %.2f GiB, arguments %.2f GiB; the plan's largest "
             "program %.2f GiB beside %.2f GiB of states%s%s", program.name, diff, own / GiB, mem.arguments / GiB,

@@ -333,3 +333,11 @@ def test_a_compile_after_the_start_is_logged_with_what_differs_and_a_warning_whe
     assert warn.levelno == logging.WARNING and "double compiled after the start" in warn.getMessage()
     assert "leaf 1: ((4,), 'float32', False) -> ((1024, 1024), 'float32', False)" in warn.getMessage()
     assert "MORE THAN PLANNED" in warn.getMessage() and prog.compiles() == 3
+    # a program that cannot fit JAX's share beside the states at all: a clear error before it runs out of memory
+    from jaxppo.errors import ConfigError
+
+    tight = Plan({"states": 2**20}, [Phase("double", None, None, small, 4096, 1)], 0, 2**30, 2**21, None,
+                 memory.TokenBudgets(0, 0, 0, 0))
+    watch_late_compiles(tight, [prog])
+    with pytest.raises(ConfigError, match=r"double was compiled after the start .*leaf 0.* more than JAX's share"):
+        prog(jnp.ones(8), jnp.ones((1024, 1024)))
