@@ -153,11 +153,6 @@ def vllm_sizes(cfg: Any, model: Any) -> tuple[int, int]:
     return int(model.num_params() * s), int(kv_per_token * seq)
 
 
-def vllm_minimum(cfg: Any, model: Any) -> int:
-    weights, kv = vllm_sizes(cfg, model)
-    return weights + VLLM_OVERHEAD + kv
-
-
 def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, weights: int, kv_seq: int,
             step_seqs: int, shards: int) -> tuple[int | None, list[int | None]]:
     """(JAX's share when fixed: an explicit split, or no vLLM; the room beside the states that a packed phase's
@@ -481,4 +476,4 @@ def _refusal(cfg: Any, build: Any, name: str, key: str, smallest: int, resident:
 
 
 __all__ = ["Plan", "Phase", "VllmShare", "make_plan", "finalize", "watch_late_compiles", "check", "search_budget",
-           "ladder", "vllm_minimum"]
+           "ladder"]

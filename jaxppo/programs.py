@@ -129,13 +129,12 @@ def difference(key: tuple, before: list[tuple]) -> str:
     static, tree, leaves = key
     best = None
     for s, t, ls in before:
+        diff = [f"static arguments {s!r} -> {static!r}"] if s != static else []
         if t != tree or len(ls) != len(leaves):
-            diff = ["static arguments " + repr(s) + " -> " + repr(static)] if s != static else []
             diff.append("a different argument tree")
         else:
-            diff = (["static arguments " + repr(s) + " -> " + repr(static)] if s != static else []) + [
-                f"leaf {i}: {old[:3]} -> {new[:3]}" + (" (sharding)" if old[3] != new[3] else "")
-                for i, (old, new) in enumerate(zip(ls, leaves)) if old != new]
+            diff += [f"leaf {i}: {old[:3]} -> {new[:3]}" + (" (sharding)" if old[3] != new[3] else "")
+                     for i, (old, new) in enumerate(zip(ls, leaves)) if old != new]
         if best is None or len(diff) < len(best):
             best = diff
     return "; ".join(best[:6]) + (f" (+{len(best) - 6} more)" if len(best) > 6 else "")

@@ -61,6 +61,18 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def breakdown(evs: list[dict], top: int) -> dict:
+    """Ops' time by category and the `top` ops by time, with their counts (ms)."""
+    cats, ops, counts = defaultdict(float), defaultdict(float), defaultdict(int)
+    for e in evs:
+        cats[category(e["name"])] += e["dur"]
+        ops[e["name"]] += e["dur"]
+        counts[e["name"]] += 1
+    return {"categories_ms": {k: v / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_ops": [{"name": n, "ms": t / 1e3, "count": counts[n]}
+                        for n, t in sorted(ops.items(), key=lambda kv: -kv[1])[:top]]}
+
+
 def summarise(events: list[dict], top: int = 15) -> dict[str, dict]:
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -81,17 +93,10 @@ def summarise(events: list[dict], top: int = 15) -> dict[str, dict]:
         start = min(e["ts"] for e in evs)
         end = max(e["ts"] + e["dur"] for e in evs)
         busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in evs])
-        cats, ops, counts = defaultdict(float), defaultdict(float), defaultdict(int)
-        for e in evs:
-            cats[category(e["name"])] += e["dur"]
-            ops[e["name"]] += e["dur"]
-            counts[e["name"]] += 1
         window = end - start
         out[names[pid]] = {
             "window_ms": window / 1e3, "busy_ms": busy / 1e3, "idle_frac": 1 - busy / window if window else 0.0,
-            "categories_ms": {k: v / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_ops": [{"name": n, "ms": t / 1e3, "count": counts[n]}
-                        for n, t in sorted(ops.items(), key=lambda kv: -kv[1])[:top]]}
+            **breakdown(evs, top)}
     return out
 
 
@@ -136,17 +141,10 @@ def summarise_torch(events: list[dict], top: int = 15) -> dict:
         by_stream[(a.get("device", e.get("pid")), a.get("stream", e.get("tid")))].append(e)
     streams, unions = {}, {}
     for (dev, stream), evs in sorted(by_stream.items(), key=lambda kv: str(kv[0])):
-        cats, ops, counts = defaultdict(float), defaultdict(float), defaultdict(int)
-        for e in evs:
-            cats[category(e["name"])] += e["dur"]
-            ops[e["name"]] += e["dur"]
-            counts[e["name"]] += 1
         unions[(dev, stream)] = merged([(e["ts"], e["ts"] + e["dur"]) for e in evs])
         streams[f"device {dev} stream {stream}"] = {
             "busy_ms": sum(e - s for s, e in unions[(dev, stream)]) / 1e3, "kernels": len(evs),
-            "categories_ms": {k: v / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_ops": [{"name": n, "ms": t / 1e3, "count": counts[n]}
-                        for n, t in sorted(ops.items(), key=lambda kv: -kv[1])[:top]]}
+            **breakdown(evs, top)}
     gpu = merged([iv for u in unions.values() for iv in u])
     regions = defaultdict(lambda: {"count": 0, "wall_ms": 0.0, "gpu_busy_ms": 0.0})
     for e in xs:
