@@ -63,16 +63,27 @@ class DeviceBatches:
             raise ValueError(f"{self.batch_shards} batch shards do not split over {k} processes")
         local = self.batch_shards // k
         known = self._packed_shapes.setdefault(what, set())
-        packed = pack(batch, self.response_length, budget, local, what, known=known)
+        caps = self._shape_caps.get(what)
+        packed = pack(batch, self.response_length, budget, local, what, known=known, caps=caps)
         while k > 1:  # every process the same shapes: repeat with the largest until all agree (they only grow)
             keys = dist.gather_rows(np.array([packed.shape_key]))
             n, s, row, runs = (int(v) for v in keys.max(0))
             if (keys == (n, s, row, runs)).all():
                 break
             packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s, row_len=row,
-                          min_runs=runs, known=known)
+                          min_runs=runs, known=known, caps=caps)
         known.add(packed.shape_key)
         return packed
+
+    def hold_to_plan(self, shapes: dict[str, tuple[int, int, int, int]]) -> None:
+        """Pack each budget's batches within the shape the memory plan compiled for it (`shapes`: budget key ->
+        (micro-batches, slots, row length, runs), `jaxppo.plan.Plan.packed_shapes`): that program is reused when it
+        costs little more than the best layout, and no row holds more slots, tokens or runs than it."""
+        from jaxppo.packing import Caps
+
+        for what, key in shapes.items():
+            self._packed_shapes.setdefault(what, set()).add(tuple(key))
+            self._shape_caps[what] = Caps.of(key)
 
     def shard_packed(self, packed) -> Batch:
         """A `jaxppo.packing.Packed` batch (this process's rows) -> global device arrays, rows / slots

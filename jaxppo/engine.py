@@ -225,6 +225,7 @@ class _Base(DeviceBatches):
         self.guards: dict[str, tuple[str, float]] = {}
         self.compiled_shapes: set[tuple[int, ...]] = set()  # packed (micro-batches, slots, row length) shapes seen
         self._packed_shapes: dict[str, set] = {}  # shape keys packed so far, per budget (what), reused by `pack`
+        self._shape_caps: dict[str, Any] = {}  # per budget: the most a row holds (the plan's shape, `hold_to_plan`)
         # the chain's parts: the offloaded step runs them itself, one parameter at a time (jaxppo/offload.py)
         self.tx_parts, self.schedule = optimizer_parts(self.optim, self.total_steps)
         self.tx = optax.chain(*self.tx_parts)

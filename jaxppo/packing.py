@@ -21,6 +21,11 @@ empty. The row count comes from first-fit decreasing (the longest first, each in
 room); the sequences are then spread over those rows so each holds about the same number of response
 tokens (the slots are the most any row holds), unless that does not fit or is not better. Every batch
 shard gets one row per micro-batch.
+
+Within a run, rows hold no more than the memory plan compiled for (`Caps`: slots, row length, runs; the plan's
+worst case at the budget): a batch of many short sequences gets more rows rather than a row with more runs or
+slots than any program measured (cuDNN's packed attention keeps float32 statistics of [rows x runs, heads, row
+length], so a program's memory grows with its runs).
 """
 
 from __future__ import annotations
@@ -97,31 +102,56 @@ class Packed:
         return int((self.arrays["attention_mask"] > 0).sum())
 
 
-def first_fit_decreasing(lengths: np.ndarray, budget: int) -> list[list[int]]:
-    """Bins (lists of indices) of total length <= budget; the longest sequences are placed first."""
+@dataclasses.dataclass(frozen=True)
+class Caps:
+    """The most a packed row may hold: the shape the memory plan compiled (slots, row length, runs), so that every
+    program a run compiles is no larger in any of them than the one the plan measured (more rows instead)."""
+
+    slots: int
+    row_len: int
+    runs: int
+
+    @classmethod
+    def of(cls, shape_key: tuple[int, int, int, int]) -> "Caps":
+        return cls(slots=shape_key[1], row_len=shape_key[2], runs=shape_key[3])
+
+
+def first_fit_decreasing(lengths: np.ndarray, budget: int, responses: np.ndarray | None = None,
+                         caps: Caps | None = None) -> list[list[int]]:
+    """Bins (lists of indices) of total length <= budget; the longest sequences are placed first. `caps`: each
+    bin also holds at most caps.slots response tokens (`responses`) and caps.runs - 1 sequences (a run is left
+    for the unused tail)."""
     bins: list[list[int]] = []
     room: list[int] = []
+    resp: list[int] = []
+    most_seqs = caps.runs - 1 if caps else None
     for i in sorted(range(len(lengths)), key=lambda k: -int(lengths[k])):
         n = int(lengths[i])
+        r = int(responses[i]) if caps else 0
         for b, free in enumerate(room):
-            if n <= free:
+            if n <= free and (caps is None or (len(bins[b]) < most_seqs and resp[b] + r <= caps.slots)):
                 bins[b].append(i)
                 room[b] -= n
+                resp[b] += r
                 break
         else:
             bins.append([i])
             room.append(budget - n)
+            resp.append(r)
     return bins
 
 
-def balance_responses(lengths: np.ndarray, responses: np.ndarray, n_rows: int, capacity: int) -> list[list[int]] | None:
+def balance_responses(lengths: np.ndarray, responses: np.ndarray, n_rows: int, capacity: int,
+                      caps: Caps | None = None) -> list[list[int]] | None:
     """Bins for exactly `n_rows` rows of `capacity` tokens that spread the response tokens evenly (the
     vocabulary projection runs on the most a row holds): longest sequence first, each into the row with
-    the fewest response tokens that has room. None if a sequence finds no room."""
+    the fewest response tokens that has room (`caps`: and fewer than caps.runs - 1 sequences). None if a
+    sequence finds no room."""
     bins: list[list[int]] = [[] for _ in range(n_rows)]
     room, resp = [capacity] * n_rows, [0] * n_rows
+    most_seqs = caps.runs - 1 if caps else len(lengths)
     for i in sorted(range(len(lengths)), key=lambda k: (-int(lengths[k]), -int(responses[k]))):
-        fits = [r for r in range(n_rows) if room[r] >= lengths[i]]
+        fits = [r for r in range(n_rows) if room[r] >= lengths[i] and len(bins[r]) < most_seqs]
         if not fits:
             return None
         r = min(fits, key=lambda r: (resp[r], -room[r]))
@@ -137,14 +167,17 @@ def row_lengths(budget: int) -> list[int]:
 
 
 def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int, row_len: int | None,
-            known: frozenset = frozenset()) -> tuple[list[list[int]], int, int]:
+            known: frozenset = frozenset(), responses: np.ndarray | None = None, caps: Caps | None = None
+            ) -> tuple[list[list[int]], int, int]:
     """(bins, micro-batches, row length) computing the fewest tokens (the longer row wins a tie), unless a
     (micro-batches, row length) already compiled (`known` shape keys) computes at most REUSE_SLACK more: then
-    that one, so that batches of slightly different sizes do not each compile a program of their own."""
+    that one, so that batches of slightly different sizes do not each compile a program of their own. `caps`:
+    rows no longer than caps.row_len, and within its slots and runs."""
     longest = int(lengths.max(initial=1))
     candidates = []
-    for length in [row_len] if row_len else [n for n in row_lengths(budget) if n >= longest]:
-        bins = first_fit_decreasing(lengths, length)
+    lengths_allowed = [n for n in row_lengths(budget) if n >= longest and (caps is None or n <= caps.row_len)]
+    for length in [row_len] if row_len else lengths_allowed:
+        bins = first_fit_decreasing(lengths, length, responses, caps)
         n_micro = max(bucket(math.ceil(len(bins) / shards)), min_micro)
         candidates.append((n_micro * length, -length, n_micro, bins))
     cost, neg_len, n_micro, bins = min(candidates, key=lambda c: c[:2])
@@ -166,10 +199,12 @@ def _reuse(value: int, index: int, known: frozenset, n_micro: int, width: int) -
 
 def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards: int,
          what: str = "actor.ppo_max_token_len_per_device", min_micro: int = 1, min_slots: int = 1,
-         row_len: int | None = None, min_runs: int = 1, known: frozenset | set = frozenset()) -> Packed:
+         row_len: int | None = None, min_runs: int = 1, known: frozenset | set = frozenset(),
+         caps: Caps | None = None) -> Packed:
     """Pack a padded host batch (see jaxppo/engine.py for the layout) into rows of at most `budget`
     tokens (`row_len`: exactly that long; min_*, row_len: what other processes need; `known`: shape keys of
-    programs compiled already, reused when they cost little more)."""
+    programs compiled already, reused when they cost little more; `caps`: the most a row may hold, the shape the
+    memory plan compiled: more rows rather than a larger row)."""
     ids, seg = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
     r = response_length
     b, t = ids.shape
@@ -181,19 +216,24 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
         i = int(too_long[0])
         raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than {what} = {budget}")
     known = frozenset(known)
-    bins, n_micro, width = _layout(lengths, budget, shards, min_micro, row_len, known)
-    bins += [[] for _ in range(n_micro * shards - len(bins))]
     rmask = np.asarray(batch["response_mask"]) > 0
     rlen = rmask.sum(1)
+    if caps is not None and (int(lengths.max(initial=1)) > caps.row_len or int(rlen.max(initial=0)) > caps.slots
+                             or caps.runs < 2):
+        caps = None  # a sequence the planned shape cannot hold at all: a larger program (the late-compile check)
+    bins, n_micro, width = _layout(lengths, budget, shards, min_micro, row_len, known, rlen, caps)
+    bins += [[] for _ in range(n_micro * shards - len(bins))]
     most = lambda bs: max(1, max(int(rlen[m].sum()) for m in bs))  # noqa: E731
-    even = balance_responses(lengths, rlen, len(bins), width)  # the same rows, fewer slots if it fits
+    even = balance_responses(lengths, rlen, len(bins), width, caps)  # the same rows, fewer slots if it fits
     if even is not None and most(even) < most(bins):
         bins = even
-    slots = max(_reuse(most(bins), 1, known, n_micro, width), min_slots)
-    rows = n_micro * shards
     # runs of a row: its sequences, then the unused tail (if any); an empty row is one run
     n_runs = [len(m) + int(int(lengths[m].sum()) < width) for m in bins]
+    slots = max(_reuse(most(bins), 1, known, n_micro, width), min_slots)
     runs = max(_reuse(max(n_runs), 3, known, n_micro, width), min_runs)
+    if caps is not None:  # a bucket above the planned shape: the planned count holds the rows as well
+        slots, runs = max(min(slots, caps.slots), most(bins)), max(min(runs, caps.runs), max(n_runs))
+    rows = n_micro * shards
     starts = np.full((rows, runs), -1, np.int32)
 
     out_ids, out_seg, out_pos = (np.zeros((rows, width), np.int32) for _ in range(3))
@@ -244,4 +284,4 @@ def max_programs(batch_size: int, budget: int, shards: int) -> int:
             * len(buckets_upto(batch_size + 1)))
 
 
-__all__ = ["Packed", "pack", "first_fit_decreasing", "balance_responses", "max_programs", "row_lengths", "SEQ_KEYS"]
+__all__ = ["Packed", "Caps", "pack", "first_fit_decreasing", "balance_responses", "max_programs", "row_lengths", "SEQ_KEYS"]

@@ -34,7 +34,7 @@ import jax
 
 from jaxppo import memory
 from jaxppo.errors import ConfigError
-from jaxppo.plan_search import (_abstract_packed, _abstract_padded, _fake_batch, _with_keys, ladder,
+from jaxppo.plan_search import (_abstract_packed, _abstract_padded, _fake_batch, _with_keys, ladder, packed_shape,
                                 plan_threads, search_budget)
 from jaxppo.programs import Memory, device_bytes
 
@@ -54,6 +54,7 @@ class Phase:
     memory: Memory
     program: int  # what it adds beside the resident states while it runs (Memory.beside)
     compiles: int  # budgets compiled to choose it (probes, and the one kept)
+    shape: tuple[int, int, int, int] | None = None  # packed: the (micro-batches, slots, row length, runs) compiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,10 @@ class Plan:
     @property
     def need(self) -> int:
         return self.peak + self.margin
+
+    def packed_shapes(self) -> dict[str, tuple[int, int, int, int]]:
+        """Each packed budget key's compiled (micro-batches, slots, row length, runs): the most a run's rows hold."""
+        return {p.budget_key: p.shape for p in self.phases if p.budget_key and p.shape}
 
     @property
     def fits(self) -> bool:
@@ -234,8 +239,11 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
         def packed(width: int):
             probed: dict[int, list[Memory]] = {}
 
+            shapes: dict[int, tuple[int, int, int, int]] = {}
+
             def measure(budget: int, probe: bool) -> list[Memory]:
                 batch = _abstract_packed(build.actor, host, budget, budget_key, shortest)
+                shapes[budget] = packed_shape(batch)
                 return [fn(batch, probe) for fn, _ in programs]
 
             def worst(mems: list[Memory]) -> int:
@@ -258,7 +266,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
                 if budget is None:  # the largest share JAX was offered (vLLM at its fewest sequences at once)
                     raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin,
                                                resident + margin + limits[-1], worst(probed[rungs[0]])))
-            out = [Phase(n, budget_key, budget, m, m.beside(r), tries)
+            out = [Phase(n, budget_key, budget, m, m.beside(r), tries, shapes[budget])
                    for n, m, (_, r) in zip(names, probed[budget], programs)]
             return out, lambda: [(n, m, r) for n, m, (_, r) in zip(names, measure(budget, False), programs)], \
                 {budget_key: budget}

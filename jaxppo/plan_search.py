@@ -61,6 +61,12 @@ def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, wha
     return out
 
 
+def packed_shape(batch: dict[str, Any]) -> tuple[int, int, int, int]:
+    """A packed batch's (micro-batches, slots, row length, runs): `jaxppo.packing.Packed.shape_key` of its arrays."""
+    g, ids, starts = batch["gather_idx"].shape, batch["input_ids"].shape, batch["segment_starts"].shape
+    return g[0], g[2], ids[2], starts[2]
+
+
 # ------------------------------------------------------------------ the budget search
 
 
@@ -144,4 +150,4 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
     return lo, len(costs), rounds[0]
 
 
-__all__ = ["ladder", "search_budget", "plan_threads", "LADDER_STEP", "AUTO_MAX_BUDGET"]
+__all__ = ["packed_shape", "ladder", "search_budget", "plan_threads", "LADDER_STEP", "AUTO_MAX_BUDGET"]

@@ -95,6 +95,9 @@ class PPOTrainer:
         log.info("memory plan with the programs the run calls:\n%s", self.plan.table())
         watch_late_compiles(self.plan, [p for e in (b.actor, b.critic) if e is not None
                                         for p in (e._forward_jit, e._update_jit) if p is not None])
+        for e in (b.actor, b.critic):  # rows no larger than the programs the plan measured
+            if e is not None:
+                e.hold_to_plan(self.plan.packed_shapes())
         if self.plan.vllm is not None and jax.default_backend() == "gpu":
             log.info(memory.describe(self.plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")))
         engine = engine_factory(self.model_dir, self)

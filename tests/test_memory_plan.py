@@ -341,3 +341,56 @@ def test_a_compile_after_the_start_is_logged_with_what_differs_and_a_warning_whe
     watch_late_compiles(tight, [prog])
     with pytest.raises(ConfigError, match=r"double was compiled after the start .*leaf 0.* more than JAX's share"):
         prog(jnp.ones(8), jnp.ones((1024, 1024)))
+
+
+
+def test_short_responses_pack_within_the_planned_shape_and_its_memory(tmp_path, one_device):
+    """Responses much shorter than the plan's worst case (full-length) fit more sequences into a row: held to the
+    plan's shape, the rows get no more runs, slots or tokens than the program the plan measured, so the program
+    compiled for them needs no more memory than the planned one; without the caps the same batch packs into a
+    row with more runs than planned (the test can fail)."""
+    from jaxppo.packing import pack
+    from jaxppo.plan_search import _fake_batch
+    from jaxppo.programs import abstract
+
+    prep = prepared(tmp_path, *PACKED, "data.max_response_length=24", "actor.log_prob_max_token_len_per_device=192")
+    b, plan = prep.build, prep.plan
+    what = "actor.log_prob_max_token_len_per_device"
+    planned = plan.packed_shapes()[what]
+    phase = next(p for p in plan.phases if p.name == "actor forward")
+    shortest = min(len(ids) for ids in prep.train_ds.input_ids)
+    batch = _fake_batch(16, 48, 24, shortest)
+    batch["attention_mask"][:, 48 + 2:] = 0  # two response tokens each: many sequences per row
+    batch["response_mask"][:, 2:] = 0
+    free = pack(batch, 24, 192, b.actor.batch_shards, what)
+    assert free.shape_key[3] > planned[3], (free.shape_key, planned)
+    b.actor.hold_to_plan(plan.packed_shapes())
+    held = b.actor.pack(batch, 192, what)
+    _, slots, row, runs = held.shape_key
+    assert slots <= planned[1] and row <= planned[2] and runs <= planned[3], (held.shape_key, planned)
+    mem = b.actor.compile_logprobs(b.actor_state.params, b.actor_frozen, abstract(b.actor.shard_packed(held)), False,
+                                   b.truncation, False)
+    assert mem.temps + mem.outputs <= phase.memory.temps + phase.memory.outputs
+
+
+def test_a_run_packs_its_rows_within_the_shapes_the_plan_compiled(tmp_path, one_device):
+    """The trainer holds each packed phase's rows to the shape the plan compiled at that budget (the caps above), and
+    its steps run within them."""
+    from jaxppo.packing import Caps
+    from jaxppo.train import make_engine_factory
+    from jaxppo.trainer import PPOTrainer
+
+    cfg = load_config(ROOT / "configs" / "default.yaml",
+                      [f"trainer.default_local_dir={tmp_path / 'run'}", *PACKED, "trainer.sft_warmup_steps=0",
+                       "trainer.total_training_steps=3", "trainer.test_freq=-1", "data.max_response_length=24",
+                       "actor.ppo_max_token_len_per_device=96", "actor.log_prob_max_token_len_per_device=192"])
+    with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+        planned = trainer.plan.packed_shapes()
+        assert set(planned) == {"actor.ppo_max_token_len_per_device", "actor.log_prob_max_token_len_per_device"}
+        assert trainer.actor._shape_caps == {what: Caps.of(key) for what, key in planned.items()}
+        trainer.fit()
+        seen = {what: set(keys) for what, keys in trainer.actor._packed_shapes.items()}
+    for what, (_, slots, row, runs) in planned.items():
+        assert seen[what], what
+        for key in seen[what]:
+            assert key[1] <= slots and key[2] <= row and key[3] <= runs, (what, key, planned[what])

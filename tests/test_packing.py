@@ -235,3 +235,41 @@ def test_response_tokens_spread_over_rows():
         assert sorted(i for m in packed.members for i in m) == list(range(32))
         fewer += slots < ffd_slots
     assert fewer > 0
+
+
+def test_rows_hold_no_more_than_the_planned_shape():
+    """With the plan's shape as caps, a batch of many short sequences (more runs and slots per row than the plan
+    compiled for) gets more rows instead: every row within the caps' slots, length and runs, every sequence
+    packed once, and the planned shape itself reused when it costs little more; without caps the same batches
+    exceed the caps (so the test can fail)."""
+    from jaxppo.packing import Caps
+
+    budget, shards = 48, 2
+    caps = Caps(slots=12, row_len=42, runs=4)  # a plan's worst case: 3 sequences of up to 14 tokens per row
+    planned = (3, caps.slots, caps.row_len, caps.runs)
+    exceeded = 0
+    for seed in range(30):
+        batch = random_batch(101, 16, seed=seed)  # prompts of 1..12, responses of 1..10 tokens: up to 20 per row
+        free = pack(batch, R, budget, shards)
+        held = pack(batch, R, budget, shards, known={planned}, caps=caps)
+        n, slots, row, runs = held.shape_key
+        assert slots <= caps.slots and row <= caps.row_len and runs <= caps.runs, held.shape_key
+        members = sorted(i for m in held.members for i in m)
+        assert members == list(range(16))
+        lengths = (batch["attention_mask"] > 0).sum(1)
+        assert all(lengths[m].sum() <= row and len(m) <= runs for m in held.members)
+        _, fs, fr, fruns = free.shape_key
+        exceeded += fs > caps.slots or fr > caps.row_len or fruns > caps.runs
+        x = np.arange(np.prod(held.arrays["gather_idx"].shape), dtype=np.float32).reshape(
+            held.arrays["gather_idx"].shape)
+        assert (held.unpack(x, 16)[batch["response_mask"] > 0] >= 0).all()  # every response token has a slot
+    assert exceeded > 10, exceeded
+
+
+def test_a_sequence_the_planned_shape_cannot_hold_packs_without_caps():
+    from jaxppo.packing import Caps
+
+    batch = random_batch(101, 8, seed=1)
+    longest = int((batch["attention_mask"] > 0).sum(1).max())
+    held = pack(batch, R, 48, 2, caps=Caps(slots=R, row_len=longest - 1, runs=4))
+    assert held.shape_key[2] >= longest
