@@ -372,6 +372,20 @@ def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None
     return out
 
 
+def bind_plan(cfg: Any, plan: Plan, engines: list[Any]) -> Plan:
+    """The plan as the run keeps it: its chosen programs compiled as the run runs them (`finalize`: kept, the plan's
+    own where it compiled them in this process), every later compile watched (`watch_late_compiles`), and each
+    packed phase's rows held to the shape its program was compiled for (`DeviceBatches.hold_to_plan`)."""
+    plan = finalize(cfg, plan, memory.pool_bytes)
+    log.info("memory plan with the programs the run calls:\n%s", plan.table())
+    watch_late_compiles(plan, [p for e in engines for p in (e._forward_jit, e._update_jit) if p is not None])
+    for e in engines:
+        e.hold_to_plan(plan.packed_shapes())
+    if plan.vllm is not None and jax.default_backend() == "gpu":
+        log.info(memory.describe(plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")))
+    return plan
+
+
 # the token budget each of the step's programs runs at (jaxppo.programs.Program names)
 PROGRAM_BUDGETS = {"actor update": "actor.ppo_max_token_len_per_device",
                    "critic update": "critic.ppo_max_token_len_per_device",
@@ -483,5 +497,5 @@ def _refusal(cfg: Any, build: Any, name: str, key: str, smallest: int, resident:
             "data.max_prompt_length / max_response_length, or shard over more devices (mesh.fsdp)")
 
 
-__all__ = ["Plan", "Phase", "VllmShare", "make_plan", "finalize", "watch_late_compiles", "check", "search_budget",
+__all__ = ["Plan", "Phase", "VllmShare", "make_plan", "finalize", "bind_plan", "watch_late_compiles", "check", "search_budget",
            "ladder"]

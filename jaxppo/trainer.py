@@ -18,7 +18,7 @@ import jax
 from jaxppo import distributed as dist
 from jaxppo import memory
 from jaxppo import start
-from jaxppo.plan import finalize, watch_late_compiles
+from jaxppo.plan import bind_plan
 from jaxppo import step as ppo_step
 from jaxppo import validation
 from jaxppo.checkpoint import RunCheckpointer, restore_from
@@ -89,17 +89,8 @@ class PPOTrainer:
         self.use_critic = b.critic is not None
         self.warm_dir = self.run_dir / "warm_model"
         check_warm_model(self.warm_dir, self.model_cfg, self.model_dir)
-        # the chosen programs compiled as the run runs them (kept: the plan's own where it compiled them here), before
-        # the rollout engine starts: vLLM checks at start that its share of the card is free (docs/memory.md)
-        self.plan = finalize(cfg, self.plan, memory.pool_bytes)
-        log.info("memory plan with the programs the run calls:\n%s", self.plan.table())
-        watch_late_compiles(self.plan, [p for e in (b.actor, b.critic) if e is not None
-                                        for p in (e._forward_jit, e._update_jit) if p is not None])
-        for e in (b.actor, b.critic):  # rows no larger than the programs the plan measured
-            if e is not None:
-                e.hold_to_plan(self.plan.packed_shapes())
-        if self.plan.vllm is not None and jax.default_backend() == "gpu":
-            log.info(memory.describe(self.plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")))
+        # before the rollout engine starts: vLLM checks at start that its share of the card is free (docs/memory.md)
+        self.plan = bind_plan(cfg, self.plan, [e for e in (b.actor, b.critic) if e is not None])
         engine = engine_factory(self.model_dir, self)
         if cfg.rollout.free_cache_engine:
             engine.sleep()
