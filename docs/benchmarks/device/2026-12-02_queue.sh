@@ -5,8 +5,9 @@
 # Each run is a fresh process (scripts/bench_ppo_step.py or scripts/check_configs.py, committed configs, random
 # weights of the shape); its ledger rows go to /tmp/q/results.jsonl, its log to /tmp/q/<name>.log. `wait` copies
 # the ledger rows, the queue's summary and the logs (tgz) to $OUT. The machine goes back after 30 s without a call:
-# issue the `wait` calls back to back (a call that finds a bare machine says so at once, exit 3). Seconds per job on
-# a warm machine, roughly: 0.5B 140-210, 1.5B ~300, 7B 450-800 (the first start of a shape is the slowest).
+# issue the `wait` calls back to back (a call that finds a bare machine says so at once, exit 3), each with a
+# limit under the device time left (`status`), though a call cut short still returns what `wait` had copied.
+# Seconds per job on a warm machine, roughly: 0.5B 140-210, 1.5B ~300, 7B 450-800 (the first start of a shape is the slowest).
 set -u
 Q=/tmp/q
 PY=/opt/torch/.venv/bin/python3
@@ -57,7 +58,7 @@ run_queue() {
 
 collect() {
   cp $Q/summary.log $Q/results.jsonl $OUT/ 2>/dev/null
-  tar czf $OUT/logs.tgz -C $Q --exclude=w --exclude="cc/*/*" . 2>/dev/null
+  tar czf $OUT/logs_partial.tgz -C $Q --exclude=w --exclude="cc/*/*" . 2>/dev/null && mv $OUT/logs_partial.tgz $OUT/logs.tgz
   cat $Q/summary.log
   for f in $Q/*.log; do
     echo "== $f"; grep -v -E "INFO vllm|WARNING vllm|^\{\"step\"" "$f" | tail -12
@@ -81,6 +82,12 @@ else
   # a machine that went back between calls comes back bare: say so at once instead of waiting on nothing
   [ -e $Q/summary.log ] || { echo "no queue on this machine (started bare?): start it again"; exit 3; }
   t0=$(date +%s)
-  while [ ! -e $Q/done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+  # the results so far go to $OUT every 30 s as well: a call cut off (its limit, or the session's device time
+  # running out) still brings back what it had there, not nothing
+  n=0
+  while [ ! -e $Q/done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+    sleep 5; n=$((n + 1))
+    [ $((n % 6)) -eq 1 ] && collect > /dev/null 2>&1
+  done
   collect
 fi
