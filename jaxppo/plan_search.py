@@ -45,15 +45,18 @@ def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, wha
                      ) -> dict[str, jax.ShapeDtypeStruct]:
     """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`: `batch` holds every
     sequence at the longest prompt and a full response (the most tokens: the longest rows, the most micro-batches),
-    and each row gets as many response-token slots and sequences as the budget could hold at the shortest prompt
-    (`shortest_prompt`), within the batch's own: no batch of these data packs into a larger program."""
+    and each row gets as many response-token slots as the budget could hold at the shortest prompt
+    (`shortest_prompt`), within the batch's own, and as many sequences (runs) as it could hold at that prompt with
+    responses of half the full length. The run packs within this shape (`jaxppo.packing.Caps`): shorter responses
+    than that get more rows, not more runs per row."""
     from jaxppo.packing import bucket, pack
 
     local = engine.batch_shards // jax.process_count()
     R = engine.response_length
     seqs = -(-batch["input_ids"].shape[0] // local)
     per_row = max(min(seqs, budget // (shortest_prompt + R)), 1)
-    packed = pack(batch, R, budget, local, what, min_slots=bucket(per_row * R), min_runs=bucket(per_row + 1))
+    per_row_runs = max(min(seqs, budget // (shortest_prompt + max(R // 2, 1))), 1)
+    packed = pack(batch, R, budget, local, what, min_slots=bucket(per_row * R), min_runs=bucket(per_row_runs + 1))
     out = {}
     for k, v in packed.arrays.items():
         shape = (v.shape[0], v.shape[1] * jax.process_count()) + v.shape[2:]
