@@ -190,10 +190,16 @@ def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int, row_l
 
 def _reuse(value: int, index: int, known: frozenset, n_micro: int, width: int) -> int:
     """The smallest slots / runs count (`index` 1 / 3 of a shape key) of a compiled shape with this micro-batch
-    count and row length that holds `value` within REUSE_SLACK of its bucket; else the bucket itself."""
+    count and row length that holds `value` within REUSE_SLACK of its bucket (slots: or within a quarter of the row
+    length more, the vocabulary projection of that many tokens being a small part of the row's work, far less than a
+    compile; runs: any, an empty run computing nothing); else the bucket itself."""
     target = bucket(value)
-    fits = [k[index] for k in known if k[0] == n_micro and k[2] == width and value <= k[index] <= (1 + REUSE_SLACK)
-            * target]
+    most = (1 + REUSE_SLACK) * target
+    if index == 1:
+        most = max(most, value + width * REUSE_SLACK)
+    elif index == 3:
+        most = float("inf")
+    fits = [k[index] for k in known if k[0] == n_micro and k[2] == width and value <= k[index] <= most]
     return min(fits) if fits else target
 
 

@@ -13,7 +13,7 @@ import pytest
 from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.models import load_model
-from jaxppo.packing import first_fit_decreasing, max_programs, pack, row_lengths
+from jaxppo.packing import bucket, first_fit_decreasing, max_programs, pack, row_lengths
 from jaxppo.sharding import make_mesh
 
 P, R = 12, 10
@@ -273,3 +273,18 @@ def test_a_sequence_the_planned_shape_cannot_hold_packs_without_caps():
     longest = int((batch["attention_mask"] > 0).sum(1).max())
     held = pack(batch, R, 48, 2, caps=Caps(slots=R, row_len=longest - 1, runs=4))
     assert held.shape_key[2] >= longest
+
+
+def test_a_known_slot_count_up_to_a_quarter_row_more_is_reused():
+    """A compiled shape with the same micro-batches and row length is reused for fewer response tokens when its
+    slots exceed the batch's by at most a quarter of the row (their vocabulary projection is a small part of the
+    row's work, a compile is not); beyond that the batch gets its own bucket."""
+    batch = random_batch(101, 16, seed=5)
+    best = pack(batch, R, 48, shards=2)
+    n, slots, row, runs = best.shape_key
+    most = int(best.arrays["response_mask"].sum(-1).max())  # the most response tokens a row holds
+    near = (n, most + row // 4, row, runs)
+    far = (n, max(most + row // 4, bucket(most) + bucket(most) // 4) + 1, row, runs)
+    assert near[1] > 1.25 * bucket(most)  # beyond the buckets' own slack: the row's quarter decides
+    assert pack(batch, R, 48, shards=2, known={near}).shape_key == near
+    assert pack(batch, R, 48, shards=2, known={far}).shape_key == best.shape_key
