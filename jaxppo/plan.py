@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 from typing import Any, Callable
 
 import jax
@@ -222,10 +223,10 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     def plan_phase(names: tuple[str, ...], sub: Any, budget_key: str, given: int, seed: int, rows: int,
                    keys: tuple, programs: tuple[tuple[Callable[[dict, bool], Memory], int], ...]) -> None:
         """Plan the programs that share one budget key ((compile(batch, probe), resident argument bytes) each):
-        a job run below, with `width` compiles at once, giving its phases, their final compile and its budget."""
+        a job run below, with `width()` compiles at once, giving its phases, their final compile and its budget."""
         name = names[0]
         if not sub.use_dynamic_bsz:
-            def padded(width: int):
+            def padded(width: Callable[[], int] | int):
                 batch = _abstract_padded(build.actor, _with_keys(_fake_batch(rows, P, R, P), keys, R))
                 out = []
                 for n, (fn, resident_args) in zip(names, programs):
@@ -236,7 +237,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
             return
         host = _with_keys(_fake_batch(rows, P, R, longest), keys, R)
 
-        def packed(width: int):
+        def packed(width: Callable[[], int] | int):
             probed: dict[int, list[Memory]] = {}
 
             shapes: dict[int, tuple[int, int, int, int]] = {}
@@ -301,16 +302,27 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
                seeds.actor_update, rows, actor_keys,
                ((lambda b, probe: build.actor.compile_update(a_state, b, a_frozen, ref_in_update, probe),
                  device_bytes((a_state, a_frozen, ref_in_update))),))
-    # the phases' searches at once, in threads (XLA compiles outside the GIL), each with its share of the threads
+    # the phases' searches at once, in threads (XLA compiles outside the GIL), each with its share of the threads:
+    # the searches still running share them, so the last ones (the updates') compile more rungs a round
     threads = plan_threads()
-    width = max(1, threads // len(jobs))
     if threads > 1 and len(jobs) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
+        running = [len(jobs)]
+        lock = threading.Lock()
+        width = lambda: max(1, threads // running[0])  # noqa: E731
+
+        def until_done(job):
+            try:
+                return job(width)
+            finally:
+                with lock:
+                    running[0] -= 1
+
         with ThreadPoolExecutor(len(jobs), thread_name_prefix="jaxppo-plan") as ex:
-            results = [f.result() for f in [ex.submit(job, width) for job in jobs]]
+            results = [f.result() for f in [ex.submit(until_done, job) for job in jobs]]
     else:
-        results = [job(width) for job in jobs]
+        results = [job(max(1, threads)) for job in jobs]
     phases = [ph for out, _, _ in results for ph in out]
     finals = [final for _, final, _ in results]
     chosen = {k: v for _, _, c in results for k, v in c.items()}

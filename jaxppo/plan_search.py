@@ -87,8 +87,8 @@ def plan_threads() -> int:
     return max(1, int(n) if n else min(8, (os.cpu_count() or 2) // 2))
 
 
-def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int], seed: int, width: int = 1
-                  ) -> tuple[int | None, int, int]:
+def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int], seed: int,
+                  width: int | Callable[[], int] = 1) -> tuple[int | None, int, int]:
     """The largest rung whose `cost` (compiling its program) is <= `avail`, how many rungs were compiled and in how
     many rounds; None
     when even the smallest does not fit. `seed` (the fitted constants' guess) is compiled first, then the ladder's
@@ -96,14 +96,16 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
     that materialises its scores grows with the square of the row) predicts the rung, which is compiled to verify;
     a prediction that misses twice on one side gives way to bisection. `width` > 1: each round compiles up to
     `width` rungs at once in threads (the seed with both ends of the ladder; the prediction with its neighbours),
-    for fewer rounds of compile time at the price of more compiles; the answer is the same."""
+    for fewer rounds of compile time at the price of more compiles; the answer is the same. A callable `width` is
+    asked at each round (the threads a search may use grow as the other phases' searches end)."""
     costs: dict[int, int] = {}
     rounds = [0]
+    wide = width if callable(width) else (lambda n=width: n)
 
     def at(*bs: int) -> list[int]:
         todo = [b for b in dict.fromkeys(bs) if b not in costs]
         rounds[0] += bool(todo)
-        if len(todo) > 1 and width > 1:
+        if len(todo) > 1:
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(len(todo), thread_name_prefix="jaxppo-plan") as ex:
@@ -116,9 +118,10 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
         at(seed)
         return seed, len(costs), rounds[0]
     seed = min(rungs, key=lambda r: abs(r - seed))
-    if width >= 3:
+    w = wide()
+    if w >= 3:
         at(seed, rungs[-1], rungs[0])
-    elif width == 2:
+    elif w == 2:
         at(seed, rungs[-1])
     lo, hi = (seed, rungs[-1]) if at(seed)[0] <= avail else (rungs[0], seed)
     if at(lo)[0] > avail:
@@ -130,7 +133,8 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
         inside = [r for r in rungs if lo < r < hi]
         if not inside:
             return lo, len(costs), rounds[0]
-        if len(inside) <= width:
+        w = wide()
+        if len(inside) <= w:
             picks = inside
         else:
             if moved.endswith(("lolo", "hihi")):
@@ -141,7 +145,7 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
                 pred = np.polyval(fit, np.array(inside, float))
                 pick = max([r for r, c in zip(inside, pred) if c <= avail], default=inside[0])
             i = inside.index(pick)  # the prediction and the rungs nearest it, up to `width`
-            near = sorted(range(len(inside)), key=lambda j: (abs(j - i), j < i))[:width]
+            near = sorted(range(len(inside)), key=lambda j: (abs(j - i), j < i))[:w]
             picks = [inside[j] for j in sorted(near)]
         at(*picks)
         fits = [r for r in picks if costs[r] <= avail]

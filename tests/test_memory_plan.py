@@ -65,6 +65,23 @@ def test_the_search_compiles_several_rungs_at_once_and_finds_the_same_budget_in_
                 assert got == max([r for r in rungs if f(r) <= avail], default=None), (width, name, avail)
                 assert rounds <= min(one_at_a_time, 4) and n <= width * rounds, (width, name, avail, n, rounds)
                 assert any(t.startswith("jaxppo-plan") for t in threads), (width, name, avail)
+            # a width that grows while the search runs (the other phases' searches ending): the same answer, each
+            # round within the width it was given then
+            given: list[int] = []
+
+            def growing():
+                given.append(min(1 + len(given), 4))
+                return given[-1]
+
+            sizes: list[int] = []
+
+            def batch_cost(b):
+                sizes.append(b)
+                return f(b)
+
+            got, n, rounds = search_budget(batch_cost, avail, rungs, 16384, growing)
+            assert got == max([r for r in rungs if f(r) <= avail], default=None), (name, avail)
+            assert rounds <= one_at_a_time and n <= sum(given) + 2, (name, avail, n, rounds, given)
 
 
 def test_a_smaller_card_gets_a_smaller_budget(tmp_path, one_device):
