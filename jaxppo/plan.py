@@ -384,18 +384,19 @@ def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None
     return out
 
 
-def bind_plan(cfg: Any, plan: Plan, engines: list[Any]) -> Plan:
+def bind_plan(cfg: Any, plan: Plan, engines: list[Any]) -> tuple[Plan, list[dict[str, Any]]]:
     """The plan as the run keeps it: its chosen programs compiled as the run runs them (`finalize`: kept, the plan's
-    own where it compiled them in this process), every later compile watched (`watch_late_compiles`), and each
-    packed phase's rows held to the shape its program was compiled for (`DeviceBatches.hold_to_plan`)."""
+    own where it compiled them in this process), every later compile watched (`watch_late_compiles`, whose record
+    comes back with the plan), and each packed phase's rows held to the shape its program was compiled for
+    (`DeviceBatches.hold_to_plan`)."""
     plan = finalize(cfg, plan, memory.pool_bytes)
     log.info("memory plan with the programs the run calls:\n%s", plan.table())
-    watch_late_compiles(plan, [p for e in engines for p in (e._forward_jit, e._update_jit) if p is not None])
+    late = watch_late_compiles(plan, [p for e in engines for p in (e._forward_jit, e._update_jit) if p is not None])
     for e in engines:
         e.hold_to_plan(plan.packed_shapes())
     if plan.vllm is not None and jax.default_backend() == "gpu":
         log.info(memory.describe(plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")))
-    return plan
+    return plan, late
 
 
 # the token budget each of the step's programs runs at (jaxppo.programs.Program names)
@@ -405,16 +406,21 @@ PROGRAM_BUDGETS = {"actor update": "actor.ppo_max_token_len_per_device",
                    "critic values": "critic.forward_max_token_len_per_device"}
 
 
-def watch_late_compiles(plan: Plan, programs: list[Any]) -> None:
+def watch_late_compiles(plan: Plan, programs: list[Any]) -> list[dict[str, Any]]:
     """Log each of `programs` (jaxppo.programs.Program) compiled once the run has started, naming what differs: a
     signature the plan did not compile (a packed phase's further bucket, at debug level, or a miss). A warning when
     XLA asks more for it than for the plan's largest program; ConfigError (exit 2) when it cannot fit JAX's share
-    beside the states at all, instead of an out-of-memory error when it runs."""
+    beside the states at all, instead of an out-of-memory error when it runs. Returns the record it appends each
+    such compile to (program, what differs, bytes beside the arguments, more than planned), for the run's
+    benchmarks."""
+    record: list[dict[str, Any]] = []
+
     def late(program: Any, exe: Any, diff: str) -> None:
         mem = Memory.of(exe)
         own = mem.temps + max(mem.outputs - mem.aliases, 0)
         planned = plan.peak_phase.program if plan.phases else 0
         over = own > planned
+        record.append({"program": program.name, "differs": diff, "bytes": own, "over_plan": over})
         if over and plan.jax_limit and plan.resident + own > plan.jax_limit:  # it cannot run: say why, now
             key = PROGRAM_BUDGETS.get(program.name)
             raise ConfigError(
@@ -431,6 +437,7 @@ def watch_late_compiles(plan: Plan, programs: list[Any]) -> None:
             ": MORE THAN PLANNED" if over else "")
     for p in programs:
         p.late = late
+    return record
 
 
 def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, step_seqs: int, held: int | None = None) -> Plan:

@@ -90,7 +90,8 @@ class PPOTrainer:
         self.warm_dir = self.run_dir / "warm_model"
         check_warm_model(self.warm_dir, self.model_cfg, self.model_dir)
         # before the rollout engine starts: vLLM checks at start that its share of the card is free (docs/memory.md)
-        self.plan = bind_plan(cfg, self.plan, [e for e in (b.actor, b.critic) if e is not None])
+        # late_compiles: each program compiled after the start (what differed, its bytes)
+        self.plan, self.late_compiles = bind_plan(cfg, self.plan, [e for e in (b.actor, b.critic) if e is not None])
         engine = engine_factory(self.model_dir, self)
         if cfg.rollout.free_cache_engine:
             engine.sleep()

@@ -214,6 +214,10 @@ def main(argv=None) -> int:
                "memory_plan": plan, "processes": jax.process_count(), "devices": jax.device_count(),
                "mesh": dict(trainer.mesh.shape), "median_steps_3_to_n": med, "start": start,
                "compiles_per_step": compiles, "compiles_constant_after_step3": len(set(compiles[2:])) <= 1,
+               # programs compiled after the start (the plan compiled the others): what differed, GiB, over the plan
+               "late_compiles": [{"program": c["program"], "differs": c["differs"][:300],
+                                  "gb": round(c["bytes"] / 2**30, 3), "over_plan": c["over_plan"]}
+                                 for c in trainer.late_compiles],
                "jax_peak_gb_per_step": [s["memory/jax_peak_gb"] for s in steps],
                # the compiled plan's peak (states + the largest program), its margin, and per component / phase
                "memory_estimate_gb": trainer.plan.peak / 2**30, "memory_margin_gb": trainer.plan.margin / 2**30,

@@ -102,7 +102,8 @@ def row_of(result: dict, steps: int) -> dict:
             "held_gb": bench["memory_held_gb"], "token_budgets": bench.get("token_budgets"),
             "vllm_utilization": bench.get("vllm_utilization"),
             "vllm_sequences_at_once": bench.get("vllm_sequences_at_once"),
-            "timing_s/step": med.get("timing_s/step"), "compiles_per_step": bench.get("compiles_per_step")})
+            "timing_s/step": med.get("timing_s/step"), "compiles_per_step": bench.get("compiles_per_step"),
+            "late_compiles": bench.get("late_compiles")})
     if "refusal" in result:
         figures["refusal"] = result["refusal"]
     cmd = f"python scripts/check_configs.py --only {result['name']} --steps {steps}"
@@ -136,7 +137,11 @@ def main(argv=None) -> int:
         f = row["figures"]
         print(f"{name:<22} exit {f['exit_code']}  {f['seconds']:6.0f} s  plan {f.get('plan_gb', float('nan')):6.1f} GiB"
               f"  JAX peak {f.get('jax_peak_gb', float('nan')):6.1f} GiB  step {f.get('timing_s/step') or 0:5.2f} s"
+              f"  late compiles {len(f.get('late_compiles') or [])}"
               + ("  OUT OF MEMORY" if f["out_of_memory"] else ""), flush=True)
+        for c in f.get("late_compiles") or []:
+            print(f"  late: {c['program']} {c['gb']:.2f} GiB{' OVER THE PLAN' if c['over_plan'] else ''}: "
+                  f"{c['differs'][:200]}", flush=True)
         if "refusal" in f:
             print("  " + f["refusal"].replace("\n", "\n  ")[:1500], flush=True)
         failed += f["exit_code"] not in (0, 2) or f["out_of_memory"]

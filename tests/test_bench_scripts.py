@@ -43,6 +43,10 @@ def test_bench_ppo_step_on_a_committed_config(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert summary["samples"] == 2 and summary["median_steps_3_to_n"]["timing_s/step"] > 0
     assert summary["token_budgets"]["actor_update"] > 0  # packing is on in the committed config
+    # every compile after the start is on record, none of them larger than the plan's largest program
+    late, compiles = summary["late_compiles"], summary["compiles_per_step"]
+    assert compiles[-1] - compiles[0] <= len(late) < compiles[-1]  # those after step 1 are all late; the plan's not
+    assert not any(c["over_plan"] for c in late)
     # standalone generation repeated as often as the loop has samples, each with its CPU time
     assert len(summary["gen_standalone_repeats"]) == len(summary["gen_in_loop_steps"]) == summary["samples"]
     assert all(r["perf/cpu_s/gen"] > 0 and r["gen_tokens"] > 0 for r in summary["gen_standalone_repeats"])

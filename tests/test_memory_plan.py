@@ -338,7 +338,7 @@ def test_a_compile_after_the_start_is_logged_with_what_differs_and_a_warning_whe
     small = Memory(0, 0, 0, 4096, 0)
     plan = Plan({"states": 2**20}, [Phase("double", None, None, small, 4096, 1)], 0, 2**30, 2**30, None,
                 memory.TokenBudgets(0, 0, 0, 0))
-    watch_late_compiles(plan, [prog])
+    record = watch_late_compiles(plan, [prog])
     with caplog.at_level(logging.DEBUG, logger="jaxppo"):
         prog(jnp.ones(4), jnp.ones(4))  # the planned signature: no compile, nothing logged
         assert not caplog.records
@@ -350,6 +350,9 @@ def test_a_compile_after_the_start_is_logged_with_what_differs_and_a_warning_whe
     assert warn.levelno == logging.WARNING and "double compiled after the start" in warn.getMessage()
     assert "leaf 1: ((4,), 'float32', False) -> ((1024, 1024), 'float32', False)" in warn.getMessage()
     assert "MORE THAN PLANNED" in warn.getMessage() and prog.compiles() == 3
+    # the run's record of them (benchmarks put it in their rows)
+    assert [(r["program"], r["over_plan"]) for r in record] == [("double", False), ("double", True)]
+    assert "leaf 0" in record[0]["differs"] and record[1]["bytes"] >= 4 * 2**20
     # a program that cannot fit JAX's share beside the states at all: a clear error before it runs out of memory
     from jaxppo.errors import ConfigError
 
@@ -358,7 +361,6 @@ def test_a_compile_after_the_start_is_logged_with_what_differs_and_a_warning_whe
     watch_late_compiles(tight, [prog])
     with pytest.raises(ConfigError, match=r"double was compiled after the start .*leaf 0.* more than JAX's share"):
         prog(jnp.ones(8), jnp.ones((1024, 1024)))
-
 
 
 def test_short_responses_pack_within_the_planned_shape_and_its_memory(tmp_path, one_device):
