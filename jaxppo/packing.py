@@ -145,7 +145,7 @@ def balance_responses(lengths: np.ndarray, responses: np.ndarray, n_rows: int, c
                       caps: Caps | None = None) -> list[list[int]] | None:
     """Bins for exactly `n_rows` rows of `capacity` tokens that spread the response tokens evenly (the
     vocabulary projection runs on the most a row holds): longest sequence first, each into the row with
-    the fewest response tokens that has room (`caps`: and fewer than caps.runs - 1 sequences). None if a
+    the fewest response tokens that has room (`caps`: and fewer than caps.runs - 1 sequences so far). None if a
     sequence finds no room."""
     bins: list[list[int]] = [[] for _ in range(n_rows)]
     room, resp = [capacity] * n_rows, [0] * n_rows
