@@ -82,7 +82,7 @@ class DeviceBatches:
         from jaxppo.packing import Caps
 
         for what, key in shapes.items():
-            self._packed_shapes.setdefault(what, set()).add(tuple(key))
+            self._packed_shapes.setdefault(what, set()).add(key)
             self._shape_caps[what] = Caps.of(key)
 
     def shard_packed(self, packed) -> Batch:

@@ -35,7 +35,7 @@ import jax
 
 from jaxppo import memory
 from jaxppo.errors import ConfigError
-from jaxppo.plan_search import (_abstract_packed, _abstract_padded, _fake_batch, _with_keys, ladder, packed_shape,
+from jaxppo.plan_search import (_abstract_packed, _abstract_padded, _fake_batch, _with_keys, ladder,
                                 plan_threads, search_budget)
 from jaxppo.programs import Memory, device_bytes
 
@@ -239,12 +239,10 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
 
         def packed(width: Callable[[], int] | int):
             probed: dict[int, list[Memory]] = {}
-
-            shapes: dict[int, tuple[int, int, int, int]] = {}
+            shapes: dict[int, tuple[int, int, int, int]] = {}  # each budget's packed shape key
 
             def measure(budget: int, probe: bool) -> list[Memory]:
-                batch = _abstract_packed(build.actor, host, budget, budget_key, shortest)
-                shapes[budget] = packed_shape(batch)
+                batch, shapes[budget] = _abstract_packed(build.actor, host, budget, budget_key, shortest)
                 return [fn(batch, probe) for fn, _ in programs]
 
             def worst(mems: list[Memory]) -> int:

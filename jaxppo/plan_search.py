@@ -42,8 +42,9 @@ def _abstract_padded(engine: Any, batch: dict[str, np.ndarray]) -> dict[str, jax
 
 
 def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, what: str, shortest_prompt: int
-                     ) -> dict[str, jax.ShapeDtypeStruct]:
-    """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`: `batch` holds every
+                     ) -> tuple[dict[str, jax.ShapeDtypeStruct], tuple[int, int, int, int]]:
+    """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`, and its packed shape key
+    (`jaxppo.packing.Packed.shape_key`): `batch` holds every
     sequence at the longest prompt and a full response (the most tokens: the longest rows, the most micro-batches),
     and each row gets as many response-token slots as the budget could hold at the shortest prompt
     (`shortest_prompt`), within the batch's own, and as many sequences (runs) as it could hold at that prompt with
@@ -61,13 +62,7 @@ def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, wha
     for k, v in packed.arrays.items():
         shape = (v.shape[0], v.shape[1] * jax.process_count()) + v.shape[2:]
         out[k] = jax.ShapeDtypeStruct(shape, v.dtype, sharding=batch_sharding(engine.mesh, v.ndim, 1))
-    return out
-
-
-def packed_shape(batch: dict[str, Any]) -> tuple[int, int, int, int]:
-    """A packed batch's (micro-batches, slots, row length, runs): `jaxppo.packing.Packed.shape_key` of its arrays."""
-    g, ids, starts = batch["gather_idx"].shape, batch["input_ids"].shape, batch["segment_starts"].shape
-    return g[0], g[2], ids[2], starts[2]
+    return out, packed.shape_key
 
 
 # ------------------------------------------------------------------ the budget search
@@ -157,4 +152,4 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
     return lo, len(costs), rounds[0]
 
 
-__all__ = ["packed_shape", "ladder", "search_budget", "plan_threads", "LADDER_STEP", "AUTO_MAX_BUDGET"]
+__all__ = ["ladder", "search_budget", "plan_threads", "LADDER_STEP", "AUTO_MAX_BUDGET"]
