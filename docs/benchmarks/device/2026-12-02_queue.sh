@@ -82,7 +82,7 @@ else
   # a machine that went back between calls comes back bare: say so at once instead of waiting on nothing
   [ -e $Q/summary.log ] || { echo "no queue on this machine (started bare?): start it again"; exit 3; }
   t0=$(date +%s)
-  # the results so far go to $OUT every 30 s as well: a call cut off (its limit, or the session's device time
+  # the results so far go to $OUT every 30 s as well: a call cut off (its limit, or the device time left
   # running out) still brings back what it had there, not nothing
   n=0
   while [ ! -e $Q/done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
