@@ -41,23 +41,36 @@ def _abstract_padded(engine: Any, batch: dict[str, np.ndarray]) -> dict[str, jax
     return out
 
 
+def row_allowance(row_len: int, shortest_prompt: int, response_len: int, seqs: int) -> tuple[int, int]:
+    """(response-token slots, sequences) a packed row of `row_len` tokens can hold at the data's shortest prompt:
+    the slots of full-length responses (and what the rest of the row holds of one more, shorter, response), the
+    sequences of half-length ones; at most `seqs` of either."""
+    R = response_len
+    full = row_len // (shortest_prompt + R)
+    rest = min(max(row_len - full * (shortest_prompt + R) - shortest_prompt, 0), R)
+    slots = min(seqs * R, full * R + rest)
+    runs = min(seqs, row_len // (shortest_prompt + max(R // 2, 1)))
+    return max(slots, 1), max(runs, 1)
+
+
 def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, what: str, shortest_prompt: int
                      ) -> tuple[dict[str, jax.ShapeDtypeStruct], tuple[int, int, int, int]]:
     """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`, and its packed shape key
-    (`jaxppo.packing.Packed.shape_key`): `batch` holds every
-    sequence at the longest prompt and a full response (the most tokens: the longest rows, the most micro-batches),
-    and each row gets as many response-token slots as the budget could hold at the shortest prompt
-    (`shortest_prompt`), within the batch's own, and as many sequences (runs) as it could hold at that prompt with
-    responses of half the full length. The run packs within this shape (`jaxppo.packing.Caps`): shorter responses
-    than that get more rows, not more runs per row."""
+    (`jaxppo.packing.Packed.shape_key`): `batch` holds every sequence at the longest prompt and a full response
+    (the most tokens: the longest rows, the most micro-batches); each row of the length that batch packs into gets
+    as many response-token slots and sequences (runs) as a row of that length can hold at the shortest prompt
+    (`row_allowance`). The run packs within this shape (`jaxppo.packing.Caps`, row length included): a batch of
+    full-length responses at the data's prompts packs into it exactly (no program compiled after the start), and
+    shorter responses than half-length get more rows, not more runs per row. The allowance is the row's, not the
+    budget's: a worst case that packs into rows shorter than the budget (fewer tokens computed) holds fewer."""
     from jaxppo.packing import bucket, pack
 
     local = engine.batch_shards // jax.process_count()
     R = engine.response_length
     seqs = -(-batch["input_ids"].shape[0] // local)
-    per_row = max(min(seqs, budget // (shortest_prompt + R)), 1)
-    per_row_runs = max(min(seqs, budget // (shortest_prompt + max(R // 2, 1))), 1)
-    packed = pack(batch, R, budget, local, what, min_slots=bucket(per_row * R), min_runs=bucket(per_row_runs + 1))
+    row_len = pack(batch, R, budget, local, what).shape_key[2]
+    slots, runs = row_allowance(row_len, shortest_prompt, R, seqs)
+    packed = pack(batch, R, budget, local, what, min_slots=bucket(slots), min_runs=bucket(runs + 1))
     out = {}
     for k, v in packed.arrays.items():
         shape = (v.shape[0], v.shape[1] * jax.process_count()) + v.shape[2:]

@@ -266,6 +266,51 @@ def test_rows_hold_no_more_than_the_planned_shape():
     assert exceeded > 10, exceeded
 
 
+def test_row_allowance_is_the_most_a_row_can_hold():
+    """The plan's slots per row: the most response tokens any set of sequences (prompt >= the shortest, response
+    1..R) fitting a row of that length holds, found by brute force; its runs: the sequences of half-length
+    responses at the shortest prompt."""
+    from jaxppo.plan_search import row_allowance
+
+    for row_len in range(1, 80, 3):
+        for shortest in (1, 2, 5):
+            for resp in (1, 4, 7):
+                for seqs in (1, 3, 50):
+                    best = max((min(k * resp, row_len - k * shortest) for k in range(1, seqs + 1)
+                                if k * (shortest + 1) <= row_len), default=1)
+                    slots, runs = row_allowance(row_len, shortest, resp, seqs)
+                    assert slots == max(best, 1), (row_len, shortest, resp, seqs, slots, best)
+                    assert runs == max(min(seqs, row_len // (shortest + max(resp // 2, 1))), 1)
+
+
+@pytest.mark.parametrize("budget, planned_rows", [(12288, (3, 6144, 7680)), (9216, (4, 5120, 5760))])
+def test_full_length_responses_pack_into_the_planned_shape(budget, planned_rows):
+    """What the H200 showed (9be2f87, the 7B LoRA recipe's 64 x 4 sequences, prompts of 77-83 tokens, 256-token
+    responses; budgets 12288 and 9216, the 7B's and Qwen3-8B's): the plan's worst case packs into rows shorter than
+    the budget, and a batch of full-length responses at the data's prompts must pack into the very shape the plan
+    compiled, or the run compiles another update in its first step. Sizing the slots by the budget planned 3 x
+    10240 (4 x 7168) and the run packed 3 x 6144 (4 x 4096)."""
+    from types import SimpleNamespace
+
+    from jax.sharding import Mesh
+
+    from jaxppo.packing import Caps
+    from jaxppo.plan_search import _abstract_packed, _fake_batch
+
+    P_, R_, seqs, shortest, longest = 512, 256, 64, 77, 83
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    engine = SimpleNamespace(batch_shards=1, response_length=R_, mesh=mesh)
+    _, planned = _abstract_packed(engine, _fake_batch(seqs, P_, R_, longest), budget, "x", shortest)
+    assert planned[:3] == planned_rows, planned
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        batch = _fake_batch(seqs, P_, R_, longest)
+        for i, n in enumerate(rng.integers(shortest, longest + 1, seqs)):
+            batch["attention_mask"][i, :P_ - n] = 0
+        got = pack(batch, R_, budget, 1, "x", known={planned}, caps=Caps.of(planned))
+        assert got.shape_key == planned, (got.shape_key, planned)
+
+
 def test_a_sequence_the_planned_shape_cannot_hold_packs_without_caps():
     from jaxppo.packing import Caps
 
