@@ -6,6 +6,7 @@ refused at start (exit 2), the refusal's first lines.
 
     python scripts/check_configs.py                         # everything (several device calls' worth)
     python scripts/check_configs.py --only qwen2.5-0.5b,qwen3-0.6b --steps 3 --ledger $OUT/results.jsonl
+    python scripts/check_configs.py --only qwen2.5-7b-lora --steps 10 --step-rows   # + the run's `ppo_step` row
     python scripts/check_configs.py --list                  # what would run
 
 A config runs through scripts/bench_ppo_step.py --no-standalone: the synthetic task's prompts through the real data
@@ -62,12 +63,14 @@ def vllm_configs() -> list[str]:
 
 
 def run_one(name: str, config: str, shape: str, overrides: list[str], steps: int, timeout: float,
-            workdir: Path) -> dict:
-    """One config in a fresh process: (exit code, its bench JSON or refusal, seconds)."""
+            workdir: Path, step_rows: str | None = None) -> dict:
+    """One config in a fresh process: (exit code, its bench JSON or refusal, seconds). `step_rows`: the ledger the
+    run's own `ppo_step` row goes to ("" for the repo's), else none."""
     out_json = workdir / f"{name}.json"
     log = workdir / f"{name}.log"
+    ledger_args = ["--no-ledger"] if step_rows is None else (["--ledger", step_rows] if step_rows else [])
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_ppo_step.py"), "--config", config, "--shape", shape,
-           "--steps", str(steps), "--no-standalone", "--no-ledger", "--json-out", str(out_json),
+           "--steps", str(steps), "--no-standalone", *ledger_args, "--json-out", str(out_json),
            "--workdir", str(workdir / name), *overrides]
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -118,6 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
     p.add_argument("--workdir", default="/tmp/jaxppo_check_configs")
     p.add_argument("--ledger", default=None, help="ledger file for the rows (default: the repo's)")
+    p.add_argument("--step-rows", action="store_true",
+                   help="also record each run's own `ppo_step` row (its step phases; with --steps >= 10 the row a "
+                        "figure quotes), so one run gives both rows")
     p.add_argument("--list", action="store_true")
     args = p.parse_args(argv)
     chosen = [c for c in CHECKS if not args.only or c[0] in args.only.split(",")]
@@ -131,7 +137,8 @@ def main(argv=None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     failed = 0
     for name, config, shape, overrides in chosen:
-        result = run_one(name, config, shape, overrides, args.steps, args.timeout, workdir)
+        result = run_one(name, config, shape, overrides, args.steps, args.timeout, workdir,
+                         (args.ledger or "") if args.step_rows else None)
         row = row_of(result, args.steps)
         ledger.append(row, args.ledger)
         f = row["figures"]

@@ -166,3 +166,27 @@ def test_readme_performance_figures_are_ledger_rows():
             scale = {"k": 1e-3, "%": 100.0, " ms": 1e3}.get(unit, 1.0)
             assert any(round(f * scale, decimals) == shown for f in figures), (
                 f"README's **{num}{unit or ''}** is no figure of the ledger rows {cited}")
+
+
+def test_check_configs_records_the_runs_own_step_row_when_asked(tmp_path, monkeypatch):
+    """`check_configs.py --step-rows`: the config's run (bench_ppo_step.py in a fresh process) records its own
+    `ppo_step` row in the same ledger as the `config_check` row, so one 10-step run gives both; without the flag
+    the run records none."""
+    from scripts import check_configs
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 2)
+
+    monkeypatch.setenv("JAXPPO_COMMIT", "abc1234")  # the rows' commit without asking git (subprocess is faked)
+    monkeypatch.setattr(check_configs.subprocess, "run", fake_run)
+    led = tmp_path / "results.jsonl"
+    name = check_configs.CHECKS[0][0]
+    for extra in ([], ["--step-rows"]):
+        check_configs.main(["--only", name, "--steps", "10", "--workdir", str(tmp_path), "--ledger", str(led), *extra])
+    plain, both = seen
+    assert "--no-ledger" in plain and "--ledger" not in plain
+    assert "--no-ledger" not in both and both[both.index("--ledger") + 1] == str(led)
+    assert [r["bench"] for r in ledger.read(led)] == ["config_check", "config_check"]

@@ -32,11 +32,13 @@ lora7b_bypass|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b 
 prof05_async|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_async.json --workdir $Q/w/prof05_async trainer.async_rollout=true trainer.profile_steps=[5] trainer.profile_tools=[torch] trainer.profile_dir=$Q/w/prof_async && $PY scripts/trace_summary.py $Q/w/prof_async --top 25 --json-out $Q/prof05_async_summary.json
 prof05_sync|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_sync.json --workdir $Q/w/prof05_sync trainer.profile_steps=[5] trainer.profile_tools=[torch] trainer.profile_dir=$Q/w/prof_sync && $PY scripts/trace_summary.py $Q/w/prof_sync --top 25 --json-out $Q/prof05_sync_summary.json
 EOF
-  # one job per config check (scripts/check_configs.py's names): check_<name>
+  # one job per config check (scripts/check_configs.py's names): check_<name> (3 steps, the `config_check` row), and
+  # check10_<name> (10 steps: the `config_check` row and the run's own `ppo_step` row from one start)
   for c in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b-lora qwen2.5-7b qwen2.5-7b-one-card grpo-qwen2.5-7b qwen2.5-7b-offload grpo-qwen2.5-0.5b \
            grpo-qwen2.5-1.5b dapo-qwen2.5-0.5b drgrpo-qwen2.5-0.5b gspo-qwen2.5-0.5b qwen3-0.6b qwen3-1.7b qwen3-4b \
            qwen3-8b-lora; do
     echo "check_$c|$PY scripts/check_configs.py --only $c --steps 3 --timeout 900 --ledger $Q/results.jsonl --workdir $Q/cc"
+    echo "check10_$c|$PY scripts/check_configs.py --only $c --steps 10 --step-rows --timeout 1500 --ledger $Q/results.jsonl --workdir $Q/cc"
   done
 }
 
