@@ -427,12 +427,14 @@ def watch_late_compiles(plan: Plan, programs: list[Any]) -> list[dict[str, Any]]
                 f"share of {plan.jax_limit / GiB:.1f} GiB (the plan's largest program: {planned / GiB:.1f} GiB): "
                 + (f"lower {key} (0 lets the plan choose), " if key else "")
                 + "and please report it with this message: the plan should have compiled this shape")
+        within = own - planned <= plan.margin  # XLA can give a smaller shape a few MiB more than the planned one
         (log.warning if over else log.debug)(
             "%s compiled after the start (%s): temporaries + outputs %.2f GiB, arguments %.2f GiB; the plan's largest "
             "program %.2f GiB beside %.2f GiB of states%s%s", program.name, diff, own / GiB, mem.arguments / GiB,
             planned / GiB, plan.resident / GiB,
             f", JAX's share {plan.jax_limit / GiB:.1f} GiB" if plan.jax_limit else "",
-            ": MORE THAN PLANNED" if over else "")
+            (f": MORE THAN PLANNED by {(own - planned) / 2**20:.1f} MiB, "
+             + (f"within the {plan.margin / GiB:.1f} GiB margin" if within else "beyond the margin")) if over else "")
     for p in programs:
         p.late = late
     return record
