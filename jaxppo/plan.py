@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -56,6 +57,8 @@ class Phase:
     program: int  # what it adds beside the resident states while it runs (Memory.beside)
     compiles: int  # budgets compiled to choose it (probes, and the one kept)
     shape: tuple[int, int, int, int] | None = None  # packed: the (micro-batches, slots, row length, runs) compiled
+    rounds: int = 0  # rounds of compiles at once the budget search took (0: none, a given budget)
+    seconds: float = 0.0  # the budget search's wall time (the start's planning time, phase by phase)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +119,8 @@ class Plan:
         for it, and what scripts record."""
         return {"need": self.need, "peak": self.peak, "margin": self.margin, "card": self.card,
                 "jax_limit": self.jax_limit, "states": dict(self.states), "budgets": dataclasses.asdict(self.budgets),
-                "phases": {p.name: {"budget": p.budget, "program": p.program, "temps": p.memory.temps}
+                "phases": {p.name: {"budget": p.budget, "program": p.program, "temps": p.memory.temps,
+                                    "compiles": p.compiles, "rounds": p.rounds, "search_s": round(p.seconds, 1)}
                            for p in self.phases},
                 "vllm": None if self.vllm is None else dataclasses.asdict(self.vllm), "host": dict(self.host),
                 "table": self.table()}
@@ -130,7 +134,9 @@ class Plan:
         for p in self.phases:
             budget = f"budget {p.budget:>6}" if p.budget else "padded      "
             lines.append(f"    {p.name:<20}{budget}  program {gb(p.program)}  states + program "
-                         f"{gb(self.resident + p.program)}  ({p.compiles} compiled)")
+                         f"{gb(self.resident + p.program)}  ({p.compiles} compiled"
+                         + (f" in {p.rounds} round{'s' * (p.rounds > 1)}, {p.seconds:.0f} s" if p.rounds else "")
+                         + ")")
         lines.append(f"  {'peak (' + self.peak_phase.name + ')' if self.phases else 'peak':<42}{gb(self.peak)}  "
                      f"+ margin {self.margin / GiB:.1f} GiB = {gb(self.need)}")
         if self.jax_limit is not None:
@@ -250,22 +256,28 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
 
             def cost(budget: int) -> int:
                 if budget not in probed:  # compiled once, whichever search asks
+                    t = time.perf_counter()
                     probed[budget] = measure(budget, True)
+                    log.info("plan probe: %s at budget %d: %.2f GiB beside the states, compiled in %.1f s", name, budget,
+                             worst(probed[budget]) / GiB, time.perf_counter() - t)
                 return worst(probed[budget])
 
+            t0, rounds = time.perf_counter(), 0
             if given > 0:
                 budget, tries = given, 1
                 cost(given)
             else:
                 for limit in limits:  # beside the whole batch's KV cache, then vLLM in waves
-                    budget, _, _ = search_budget(cost, limit, rungs, seed, width)
+                    budget, _, n_rounds = search_budget(cost, limit, rungs, seed, width)
+                    rounds += n_rounds
                     if budget is not None:
                         break
                 tries = len(probed)
                 if budget is None:  # the largest share JAX was offered (vLLM at its fewest sequences at once)
                     raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin,
                                                resident + margin + limits[-1], worst(probed[rungs[0]])))
-            out = [Phase(n, budget_key, budget, m, m.beside(r), tries, shapes[budget])
+            took = time.perf_counter() - t0
+            out = [Phase(n, budget_key, budget, m, m.beside(r), tries, shapes[budget], rounds, took)
                    for n, m, (_, r) in zip(names, probed[budget], programs)]
             return out, lambda: [(n, m, r) for n, m, (_, r) in zip(names, measure(budget, False), programs)], \
                 {budget_key: budget}

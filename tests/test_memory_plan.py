@@ -94,6 +94,12 @@ def test_a_smaller_card_gets_a_smaller_budget(tmp_path, one_device):
         update = next(p for p in plan.phases if p.name == "actor update")
         assert update.memory.temps > 0 and update.program == update.memory.beside(
             sum(v for k, v in plan.states.items() if k.startswith("actor")))
+        # the start's planning time, phase by phase: a searched budget's rounds and seconds are in the table
+        assert 1 <= update.rounds <= update.compiles and update.seconds > 0
+        assert f"({update.compiles} compiled in {update.rounds} round" in plan.table()
+        assert plan.summary()["phases"]["actor update"]["rounds"] == update.rounds
+        forward = next(p for p in plan.phases if p.name == "actor forward")
+        assert forward.rounds == 0 and f"({forward.compiles} compiled)" in plan.table()  # given: no search
     # the next rung up does not fit the small card: the search stopped at the largest that does
     from jaxppo import start
 
