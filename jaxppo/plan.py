@@ -37,7 +37,7 @@ import jax
 from jaxppo import memory
 from jaxppo.errors import ConfigError
 from jaxppo.plan_search import (_abstract_packed, _abstract_padded, _fake_batch, _with_keys, ladder,
-                                plan_threads, search_budget)
+                                MAX_SEARCH_WIDTH, plan_threads, search_budget)
 from jaxppo.programs import Memory, device_bytes
 
 log = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
 
         running = [len(jobs)]
         lock = threading.Lock()
-        width = lambda: max(1, threads // running[0])  # noqa: E731
+        width = lambda: max(1, min(MAX_SEARCH_WIDTH, threads // running[0]))  # noqa: E731
 
         def until_done(job):
             try:
@@ -332,7 +332,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
         with ThreadPoolExecutor(len(jobs), thread_name_prefix="jaxppo-plan") as ex:
             results = [f.result() for f in [ex.submit(until_done, job) for job in jobs]]
     else:
-        results = [job(max(1, threads)) for job in jobs]
+        results = [job(max(1, min(MAX_SEARCH_WIDTH, threads))) for job in jobs]
     phases = [ph for out, _, _ in results for ph in out]
     finals = [final for _, final, _ in results]
     chosen = {k: v for _, _, c in results for k, v in c.items()}

@@ -13,6 +13,11 @@ from jaxppo import memory
 from jaxppo.sharding import batch_sharding
 
 LADDER_STEP = 1024  # token budgets are multiples of this
+# the most rungs one search compiles at once: over the test curves a width of 3 takes 2.1 rounds on average (1: 4.5,
+# 2: 2.6) and wider ones barely fewer (8: 2.0) for nearly twice the compiles (10.7 against 6.0), which on a GPU host
+# compete for its cores (the 7B LoRA config's planning child took 4.5 min at up to 8 rungs a round at 9be2f87; at
+# 6897c20, at 2 a round, about 2.5 min by its log's timestamps, at another budget)
+MAX_SEARCH_WIDTH = 3
 AUTO_MAX_BUDGET = memory.AUTO_MAX_BUDGET
 
 
@@ -165,4 +170,4 @@ def search_budget(cost: Callable[[int], int], avail: int | None, rungs: list[int
     return lo, len(costs), rounds[0]
 
 
-__all__ = ["ladder", "search_budget", "plan_threads", "LADDER_STEP", "AUTO_MAX_BUDGET"]
+__all__ = ["ladder", "search_budget", "plan_threads", "LADDER_STEP", "AUTO_MAX_BUDGET", "MAX_SEARCH_WIDTH"]
