@@ -28,6 +28,18 @@ def is_host(x: Any) -> bool:
     return getattr(sharding, "memory_kind", None) in ("pinned_host", "unpinned_host")
 
 
+def host_resident_bytes() -> int:
+    """Bytes of this process's live JAX arrays in host memory, as they are now (the offloaded states, and anything
+    else alive there): what the memory plan's host figure is measured against. Each buffer once: an array's
+    per-device shards are arrays too, over the same buffers."""
+    seen: dict[tuple[int, int], int] = {}
+    for a in jax.live_arrays():
+        if is_host(a):
+            for s in a.addressable_shards:
+                seen[(s.device.id, s.data.unsafe_buffer_pointer())] = s.data.nbytes
+    return sum(seen.values())
+
+
 def to_host(shardings: Any, params_like: Any) -> Any:
     """`shardings` of an optimizer state with the leaves shaped like the parameters (`params_like`: a tree of the
     same structure, True where a leaf is one) moved to pinned host memory."""
@@ -136,4 +148,4 @@ def host_bytes(tree: Any) -> int:
     return total
 
 
-__all__ = ["HOST", "is_host", "to_host", "step", "host_bytes"]
+__all__ = ["HOST", "is_host", "to_host", "step", "host_bytes", "host_resident_bytes"]

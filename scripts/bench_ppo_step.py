@@ -104,7 +104,16 @@ def offload_traffic(trainer, cfg) -> dict[str, float]:
             jax.device_put(src, dst).block_until_ready()
             times.append(time.perf_counter() - t)
         rates[way] = 2**30 / median(times[1:]) / 1e9
-    return {"host_gb": sum(trainer.plan.host.values()) / 2**30, "moved_gb_per_step": moved / 2**30,
+    import resource
+
+    from jaxppo.offload import host_resident_bytes
+
+    return {"host_gb": sum(trainer.plan.host.values()) / 2**30,
+            # measured: JAX's live arrays in host memory now, and the process's peak resident memory (vLLM, torch
+            # and Python included), beside the plan's host figure above
+            "host_arrays_gb": host_resident_bytes() / 2**30,
+            "process_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "moved_gb_per_step": moved / 2**30,
             "link_h2d_GBps": rates["h2d"], "link_d2h_GBps": rates["d2h"],
             "transfer_s_at_link_rate": moved / 2 / 1e9 / rates["h2d"] + moved / 2 / 1e9 / rates["d2h"]}
 

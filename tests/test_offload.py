@@ -108,3 +108,12 @@ def test_a_run_with_offload_checkpoints_and_resumes_with_the_moments_still_on_th
             assert held[f"{k} AdamW moments (host memory)"] == plan.host[f"{k} AdamW moments"]
             assert held[f"{k} (trained params + AdamW)"] == pytest.approx(
                 sum(x.nbytes for x in jax.tree.leaves(getattr(trainer.state, k).params)), abs=64)
+        # measured over every live array in host memory (what benchmarks record beside the plan's host figure), once
+        # the first run's moments are gone (`before` views their buffers: numpy shares a CPU array's memory)
+        import gc
+
+        from jaxppo.offload import host_resident_bytes
+
+        del before
+        gc.collect()
+        assert host_resident_bytes() == sum(plan.host.values())
