@@ -292,14 +292,11 @@ def test_full_length_responses_pack_into_the_planned_shape(budget, planned_rows)
     10240 (4 x 7168) and the run packed 3 x 6144 (4 x 4096)."""
     from types import SimpleNamespace
 
-    from jax.sharding import Mesh
-
     from jaxppo.packing import Caps
     from jaxppo.plan_search import _abstract_packed, _fake_batch
 
     P_, R_, seqs, shortest, longest = 512, 256, 64, 77, 83
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-    engine = SimpleNamespace(batch_shards=1, response_length=R_, mesh=mesh)
+    engine = SimpleNamespace(batch_shards=1, response_length=R_, mesh=make_mesh(devices=jax.devices()[:1]))
     _, planned = _abstract_packed(engine, _fake_batch(seqs, P_, R_, longest), budget, "x", shortest)
     assert planned[:3] == planned_rows, planned
     rng = np.random.default_rng(0)
