@@ -139,3 +139,36 @@ def test_every_alias_names_a_jaxppo_key_and_the_doc_is_the_table():
     assert len({v for v, _, _ in TABLE}) == len(TABLE)
     doc = (ROOT / "docs" / "verl_keys_table.md").read_text()
     assert doc == markdown(), "regenerate: python -m jaxppo.config.verl_keys > docs/verl_keys_table.md"
+
+
+def test_a_list_key_takes_one_value_and_a_path_takes_the_home_directory(tmp_path, monkeypatch, capsys):
+    """verl's `data.train_files=$HOME/data/gsm8k/train.parquet` (one path, not a list) and its YAML's
+    `train_files: ~/data/rlhf/gsm8k/train.parquet` load as a list of that path, `~` expanded as a shell would; a
+    list key's list form, `[]` and the other list keys (`trainer.logger=console`, `trainer.profile_steps=5`) as
+    before; a missing file named that way exits 2 naming the expanded path, before the run directory exists."""
+    import jax
+
+    from jaxppo.train import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)  # one device, as a user's CPU run (this process has 8)
+    cfg = load_config(None, ["data.train_files=/data/gsm8k/train.parquet", "data.val_files=[/a.parquet,/b.parquet]",
+                             "trainer.logger=console", "trainer.profile_steps=5", "model.path=~/models/qwen"])
+    assert cfg.data.train_files == ["/data/gsm8k/train.parquet"] and cfg.data.val_files == ["/a.parquet", "/b.parquet"]
+    assert cfg.trainer.logger == ["console"] and cfg.trainer.profile_steps == [5]
+    assert cfg.model.path == f"{tmp_path}/models/qwen"
+    assert load_config(None, ["data.train_files=[]", "data.val_files="]).data.val_files == []
+    yml = tmp_path / "verl_style.yaml"
+    yml.write_text("data:\n  train_files: ~/data/rlhf/gsm8k/train.parquet\n  val_files: ~/data/rlhf/gsm8k/1_3.parquet\n"
+                   "trainer:\n  logger: console\n  profile_steps: 7\n  default_local_dir: ~/runs/x\n")
+    cfg = load_config(yml)
+    assert cfg.data.train_files == [f"{tmp_path}/data/rlhf/gsm8k/train.parquet"]
+    assert cfg.data.val_files == [f"{tmp_path}/data/rlhf/gsm8k/1_3.parquet"]  # as written, not YAML's number 13
+    assert (cfg.trainer.logger, cfg.trainer.profile_steps) == (["console"], [7])
+    assert cfg.trainer.default_local_dir == f"{tmp_path}/runs/x"
+    rc = main([f"trainer.default_local_dir={tmp_path / 'run'}", "data.tokenizer=~/tok",
+               "data.train_files=~/data/gsm8k/train.parquet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"data.train_files: {tmp_path}/data/gsm8k/train.parquet does not exist" in err, err
+    assert not (tmp_path / "run").exists()
+    assert main(["--config", str(tmp_path)]) == 2 and "a directory, not a config file" in capsys.readouterr().err

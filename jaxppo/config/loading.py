@@ -42,6 +42,22 @@ def _text_keys() -> frozenset[str]:
     return frozenset(name for name, t in _fields() if t is str or t == typing.Optional[str])
 
 
+@functools.cache
+def _list_keys() -> dict[str, Any]:
+    """The keys whose values are lists, with their element type (`data.train_files`: str)."""
+    import typing
+
+    return {name: typing.get_args(t)[0] for name, t in _fields() if typing.get_origin(t) is list}
+
+
+# keys naming files or directories: a leading `~` is the user's home, as in a shell (verl's own defaults are written
+# `~/data/rlhf/gsm8k/train.parquet`). Not `trainer.compilation_cache_dir`, whose default is written with `~` and
+# expanded where it is used (jaxppo/start.py), so that a run's config.yaml stays the same on every machine.
+PATH_KEYS = ("data.train_files", "data.val_files", "data.tokenizer", "model.path", "model.critic_path",
+             "model.reward_model_path", "custom_reward_function.path", "trainer.default_local_dir",
+             "trainer.profile_dir", "trainer.resume_mode")
+
+
 def _typed_by_yaml(raw: str) -> bool:
     """A text key's value that keeps YAML's reading: null, a quoted value, an interpolation."""
     return raw in ("null", "~") or raw[:1] in ("'", '"') or "${" in raw
@@ -53,36 +69,51 @@ def _override_layer(overrides: list[str]):
     YAML 1.1 takes '_' for a digit separator; null, quoted values and interpolations keep YAML's reading."""
     from omegaconf import OmegaConf
 
-    text = _text_keys()
+    text, lists = _text_keys(), _list_keys()
     layer = OmegaConf.create()
     for item in overrides:
         key, raw = item.split("=", 1)
         if key in text and not _typed_by_yaml(raw):
             OmegaConf.update(layer, key, raw, force_add=True)
+        elif key in lists and _bare(raw):  # one value for a list key, as verl takes `data.train_files=PATH`
+            if lists[key] is str:
+                OmegaConf.update(layer, key, [raw] if raw else [], force_add=True)
+            else:
+                layer = OmegaConf.merge(layer, OmegaConf.from_dotlist([f"{key}=[{raw}]"]))
         else:
             layer = OmegaConf.merge(layer, OmegaConf.from_dotlist([item]))
     return layer
 
 
+def _bare(raw: str) -> bool:
+    """A list key's value written as one item (not `[...]`, null or an interpolation)."""
+    return not raw.strip().startswith("[") and not _typed_by_yaml(raw.strip())
+
+
 def _file_text_as_written(layer, path: Path) -> None:
     """A text key's value in a YAML file as written (`rollout_rs_threshold: 0.5_2` is not 0.52; see
-    `_override_layer`): read again with YAML's loader that types nothing."""
+    `_override_layer`): read again with YAML's loader that types nothing. A list key given one item
+    (`train_files: ~/data/gsm8k/train.parquet`, as verl's YAML writes it) becomes a list of that item."""
     import yaml
     from omegaconf import OmegaConf
 
     raw = yaml.load(path.read_text(), Loader=yaml.BaseLoader)
+    text, lists = _text_keys(), _list_keys()
 
-    def walk(node, prefix, text):
+    def walk(node, prefix):
         if not isinstance(node, dict):
             return
         for k, v in node.items():
             key = prefix + str(k)
             if isinstance(v, dict):
-                walk(v, key + ".", text)
+                walk(v, key + ".")
             elif key in text and isinstance(v, str) and v != "" and not _typed_by_yaml(v):
                 OmegaConf.update(layer, key, v, force_add=True)
+            elif key in lists and isinstance(v, str) and _bare(v):
+                one = v if lists[key] is str else OmegaConf.select(layer, key)
+                OmegaConf.update(layer, key, [one] if v != "" else [], force_add=True)
 
-    walk(raw, "", _text_keys())
+    walk(raw, "")
 
 
 def _suggest(key: str) -> str:
@@ -152,6 +183,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if path is not None:
             p = Path(path)
             where = str(p)
+            if p.is_dir():
+                raise ConfigError(f"{p}: a directory, not a config file (--config takes a YAML file)")
             if not p.is_file():
                 raise ConfigError(f"{p}: config file not found")
             loaded = OmegaConf.load(p)
@@ -182,11 +215,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
-    cfg = _implied(_to_dataclass(Config, OmegaConf.to_container(merged, resolve=True)))
+    cfg = _implied(_to_dataclass(Config, _home_expanded(OmegaConf.to_container(merged, resolve=True))))
     from jaxppo.config.checks import validate
 
     validate(cfg)
     return cfg
+
+
+def _home_expanded(tree: dict[str, Any]) -> dict[str, Any]:
+    """`PATH_KEYS`' values with a leading `~` expanded to the user's home (in place; returned)."""
+    import os
+
+    def expand(v):
+        return os.path.expanduser(v) if isinstance(v, str) and v.startswith("~") else v
+
+    for key in PATH_KEYS:
+        section, leaf = key.rsplit(".", 1)
+        node = tree
+        for part in section.split("."):
+            node = node[part]
+        v = node[leaf]
+        node[leaf] = [expand(x) for x in v] if isinstance(v, list) else expand(v)
+    return tree
 
 
 def _implied(cfg: Config) -> Config:

@@ -155,8 +155,6 @@ TABLE: list[tuple[str, str, str]] = [
 _VERL_ROOTS = ("actor_rollout_ref.", "reward_model.", "critic.model.", "ray_kwargs.",
                "global_profiler.", "transfer_queue.")
 _VALUES: dict[str, Callable[[str], str]] = {
-    # verl takes a bare logger name; jaxppo a list
-    "trainer.logger": lambda v: v if v.strip().startswith("[") else f"[{v}]",
     # verl's prompt truncation sides; jaxppo keeps the end of a long prompt (truncate_left) or filters it
     "data.truncation": lambda v: {"left": "truncate_left"}.get(v.strip().strip("'\""), v),
 }
