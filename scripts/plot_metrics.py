@@ -20,9 +20,18 @@ PANELS = [
 
 
 def load(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) pairs. A line that is not a JSON record with a step (the last line of a run
+    killed while writing it) is skipped with a warning naming it; the rest are plotted."""
     series: dict[str, dict[int, float]] = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            int(rec["step"])
+        except (ValueError, KeyError, TypeError):
+            print(f"{path}:{n}: not a metrics record (cut short by a kill?), skipped: {line[:60]!r}", file=sys.stderr)
+            continue
         for k, v in rec.items():
             if isinstance(v, (int, float)) and k not in ("step", "time"):
                 series.setdefault(k, {})[rec["step"]] = float(v)  # a resumed run repeats steps: last wins

@@ -17,3 +17,13 @@ def test_plot_from_jsonl(tmp_path):
     out = plot(f, tmp_path / "curves.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_a_line_cut_by_a_kill_is_skipped_naming_it(tmp_path, capsys):
+    """A run killed while writing leaves a cut last line (the trainer drops it on resume, jaxppo/setup.py): the
+    curves of the complete lines are still drawn, and the skipped line is named."""
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("\n".join(json.dumps({"step": s, "critic/score/mean": 0.1 * s}) for s in (1, 2)) + '\n{"step": 3, "cri')
+    assert load(f)["critic/score/mean"] == [(1, 0.1), (2, 0.2)]
+    assert f"{f}:3: not a metrics record" in capsys.readouterr().err
+    assert plot(f, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
