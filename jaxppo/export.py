@@ -1,5 +1,8 @@
 """`python -m jaxppo.export --ckpt RUN/checkpoints/STEP --out DIR`: the actor of a jaxppo checkpoint as a
-Hugging Face model directory (safetensors + config.json + tokenizer) that transformers and vLLM load.
+Hugging Face model directory (safetensors + config.json + tokenizer) that transformers and vLLM load. `--ckpt` may
+also name a run directory or its checkpoints directory: its newest checkpoint that restores is exported (a newer one
+that does not, cut by a kill or a full disk, is skipped with a warning naming it), as `trainer.resume_mode=auto`
+would resume.
 
 Under LoRA (`actor.lora_rank` > 0) the checkpoint holds the adapters only; the export merges them into the
 run's base (its warm-start model if it had one, else `model.path`): W + (alpha / r) B A in float32. `--peft`
@@ -18,6 +21,7 @@ Exit codes: 0 exported; 2 a bad checkpoint (missing, corrupt, or another model's
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -43,21 +47,55 @@ def check_out(out: Path, force: bool) -> None:
                           "(files of the same names are replaced, the others kept)")
 
 
+def step_dirs(ckpt: str | Path) -> list[Path]:
+    """The checkpoint step directories `--ckpt` names, newest first: itself (RUN/checkpoints/<step>), or the steps of
+    a run directory (one with config.yaml) or of a checkpoints directory."""
+    from jaxppo.errors import CheckpointError
+
+    path = Path(ckpt).absolute()
+    if path.name.isdigit():
+        return [path]
+    root = path / "checkpoints" if (path / "config.yaml").is_file() else path
+    steps = sorted((int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()),
+                   reverse=True) if root.is_dir() else []
+    if not steps:
+        raise CheckpointError(f"{path}: no checkpoint here; --ckpt takes RUN/checkpoints/<step>, a run directory or "
+                              "its checkpoints directory")
+    return [root / str(s) for s in steps]
+
+
+def restore_newest(ckpt: str | Path):
+    """(step directory, RestoredActor): the newest of `step_dirs(ckpt)` that restores; a newer one that does not is
+    named on stderr. Raises the newest one's CheckpointError when none restores."""
+    from jaxppo.checkpoint import restore_actor
+    from jaxppo.errors import CheckpointError
+
+    candidates = step_dirs(ckpt)
+    first = None
+    for step_dir in candidates:
+        try:
+            return step_dir, restore_actor(step_dir)
+        except CheckpointError as e:
+            if len(candidates) == 1:
+                raise
+            first = first or e
+            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
+    raise CheckpointError(f"no checkpoint under {Path(ckpt).absolute()} restores; the newest: {first}")
+
+
 def export(ckpt: str | Path, out: str | Path, dtype: str | None = None, peft: bool = False,
            force: bool = False) -> Path:
-    import json
     import tempfile
 
     import jax.numpy as jnp
 
-    from jaxppo.checkpoint import restore_actor
     from jaxppo.errors import CheckpointError
     from jaxppo.models import save_hf_checkpoint
     from jaxppo.models.lora import spec_from
 
     out = Path(out).absolute()
     check_out(out, force)
-    actor = restore_actor(ckpt)
+    ckpt, actor = restore_newest(ckpt)
     if peft and actor.adapters is None:
         raise CheckpointError(f"{actor.run_dir}: --peft needs a LoRA run (actor.lora_rank > 0); this run trained the "
                               "whole model")
@@ -87,8 +125,6 @@ def export(ckpt: str | Path, out: str | Path, dtype: str | None = None, peft: bo
 def _move_into_place(staging: Path, out: Path) -> None:
     """A new or empty `out`: the staging directory renamed to it. Otherwise each staged entry renamed over its
     namesake, then the files an earlier export listed and this one did not write removed (old shards)."""
-    import json
-
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         if out.exists():
             out.rmdir()
@@ -115,8 +151,6 @@ def _move_into_place(staging: Path, out: Path) -> None:
 def write_peft_adapter(adapters, spec, num_layers: int, base_dir: Path, out: Path) -> Path:
     """The adapters in PEFT's on-disk format: tensors `base_model.model.<HF weight name>.lora_{A,B}.weight`
     (float32) and a LoRA `adapter_config.json` (no dropout, no bias, targets by projection name)."""
-    import json
-
     import numpy as np
     from flax import traverse_util
     from safetensors.numpy import save_file
@@ -142,7 +176,8 @@ def write_peft_adapter(adapters, spec, num_layers: int, base_dir: Path, out: Pat
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxppo.export", description=__doc__)
-    p.add_argument("--ckpt", required=True, help="a checkpoint step directory, RUN/checkpoints/<step>")
+    p.add_argument("--ckpt", required=True, help="a checkpoint step directory, RUN/checkpoints/<step>; or a run "
+                   "directory or its checkpoints directory: the newest checkpoint there that restores")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--peft", action="store_true",
@@ -155,7 +190,7 @@ def main(argv=None) -> int:
     except JaxppoError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {args.ckpt} -> {out}")
+    print(f"exported {json.loads((out / MARKER).read_text())['checkpoint']} -> {out}")
     return 0
 
 

@@ -212,6 +212,31 @@ def test_export_of_a_corrupt_checkpoint_exits_2_with_one_line(base_run, tmp_path
         assert not (tmp_path / "hf").exists()
 
 
+def test_export_of_a_run_takes_its_newest_checkpoint_that_restores(base_run, tmp_path, capsys):
+    """`--ckpt RUN` (or RUN/checkpoints) exports the newest checkpoint that restores, as a resume would take it: the
+    newest, cut by a kill, is named in a warning and the one before exported (the same bytes as exporting that step
+    by name); a run whose checkpoints all fail, or a directory without any, exits 2 with nothing written."""
+    import json
+
+    run = copy_run(base_run, tmp_path)
+    corrupt(run / "checkpoints" / "4", "data")
+    assert export_main(["--ckpt", str(run / "checkpoints" / "3"), "--out", str(tmp_path / "by_step")]) == 0
+    capsys.readouterr()
+    for i, ckpt in enumerate((run, run / "checkpoints")):
+        out = tmp_path / f"by_run{i}"
+        assert export_main(["--ckpt", str(ckpt), "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert f"{run / 'checkpoints' / '4'}" in err and "older checkpoint" in err, err
+        assert json.loads((out / MARKER).read_text())["checkpoint"] == str(run / "checkpoints" / "3")
+        assert (out / "model.safetensors").read_bytes() == (tmp_path / "by_step" / "model.safetensors").read_bytes()
+    for step in (1, 2, 3):
+        corrupt(run / "checkpoints" / str(step), "metadata")
+    assert export_main(["--ckpt", str(run), "--out", str(tmp_path / "none")]) == 2
+    assert "no checkpoint under" in capsys.readouterr().err and not (tmp_path / "none").exists()
+    assert export_main(["--ckpt", str(tmp_path / "by_step"), "--out", str(tmp_path / "none")]) == 2
+    assert "no checkpoint here" in capsys.readouterr().err and not (tmp_path / "none").exists()
+
+
 # ------------------------------------------------------------------ setup errors: one line, exit 2
 
 
