@@ -51,6 +51,8 @@ class HealthConfig:
     explained_var: HealthRule = _rule(-0.5)  # critic/vf_explained_var below, once it has been >= 0.2
     logprob_mismatch: HealthRule = _rule(0.1)  # rollout/logprob_diff_mean above
     entropy: HealthRule = _rule(0.02)  # actor/entropy below: entropy collapse
+    # reward/error_ratio above: the reward function failed on most samples (a bug, not noise: stop by default)
+    reward_errors: HealthRule = _rule(0.5, "stop")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,10 @@ SPECS: dict[str, _Spec] = {
                               "check the weight sync, dtypes, or enable actor.tis_threshold"),
     "entropy": _Spec(("actor/entropy",), False, "update",
                      "entropy collapse: raise actor.entropy_coeff or the rollout temperature"),
+    "reward_errors": _Spec(("reward/error_ratio",), True, "pre",
+                           "the reward function failed on most samples (raised, returned no number, or ran past "
+                           "reward.timeout_s; the warnings above name the first): fix it, or raise reward.timeout_s "
+                           "(trainer.health.reward_errors.action=warn trains on the zeros)"),
 }
 
 # rules whose skip_update runs inside the compiled update, and the metric each bounds there

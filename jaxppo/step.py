@@ -462,6 +462,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: in
     metrics.update(rc_metrics)
     counts = g["reward_counts"].reshape(-1, 3).sum(0)
     metrics["reward/errors"], metrics["reward/timeouts"] = float(counts[0]), float(counts[1])
+    metrics["reward/error_ratio"] = float(counts[0]) / max(len(g["scores"]), 1)  # errors include the timeouts
     if ctx.reward_model is not None:
         metrics["reward/model_score/mean"] = float(counts[2]) / max(len(g["scores"]), 1)
     for k, v in extras.items():

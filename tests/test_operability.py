@@ -255,3 +255,26 @@ def test_sigint_stops_with_a_checkpoint_and_the_same_command_resumes(tmp_path):
     res = run_train(run, *common)
     assert assert_resumed_at_checkpoint(run, res.stderr + res.stdout) == ckpts[0]
     assert sorted(read_metrics(run)) == [0, 1, 2, 3, 4]  # (step 0: the validation before training)
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_fails_on_most_samples_stops_the_run_before_any_update(tmp_path, caplog):
+    """A user's reward that returns no number (here a string) scores 0 on every sample: training on that is a bug,
+    not noise. The `reward_errors` rule (default: more than half the samples, `stop`) skips the step's update, writes
+    a checkpoint and ends the run (exit 3) naming the rule and the fix; with `action=warn` the run goes on."""
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 'yes'\n")
+    tr = make_trainer(tmp_path, "trainer.total_training_steps=3", f"custom_reward_function.path={reward}")
+    before = host(tr.actor_state.params)
+    with caplog.at_level(logging.WARNING, logger="jaxppo.health"):
+        tr.fit()
+    m = read_metrics(tmp_path / "run")
+    assert sorted(m) == [1] and tr.exit_code == 3 and "reward/error_ratio = 1" in tr.stop_reason, tr.stop_reason
+    assert m[1]["reward/errors"] == 16 and m[1]["health/reward_errors"] == 1 and m[1]["health/skipped_steps"] == 1
+    assert "fix it" in caplog.text and same(before, host(tr.actor_state.params))
+    assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
+    warn = make_trainer(tmp_path / "w", "trainer.total_training_steps=2", f"custom_reward_function.path={reward}",
+                        "trainer.health.reward_errors.action=warn")
+    warn.fit()
+    assert warn.exit_code == 0 and sorted(read_metrics(tmp_path / "w" / "run")) == [1, 2]
