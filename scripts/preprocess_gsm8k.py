@@ -26,32 +26,38 @@ def extract_answer(answer: str, where: str) -> str:
     return m.group(1).replace(",", "")
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path) -> tuple[list[dict], list[str]]:
+    """The rows, and where each is in the file as an editor shows it: `line N` (JSONL, from 1), `row N` (parquet,
+    from 0, as pyarrow and pandas count)."""
     if path.suffix == ".jsonl":
-        rows = []
+        rows, where = [], []
         for i, line in enumerate(path.read_text().splitlines()):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
-        return rows
+                if not isinstance(rows[-1], dict):
+                    raise ValueError(f"{path}: line {i + 1} is not a JSON object")
+                where.append(f"line {i + 1}")
+        return rows, where
     if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
+        return rows, [f"row {i}" for i in range(len(rows))]
     raise ValueError(f"{path}: expected .jsonl or .parquet")
 
 
-def convert(rows: list[dict], split: str, source: str) -> list[dict]:
+def convert(rows: list[dict], split: str, source: str, where: list[str] | None = None) -> list[dict]:
     out = []
     for i, row in enumerate(rows):
-        where = f"{source}: row {i}"
+        where_i = f"{source}: {where[i] if where else f'row {i}'}"
         if "question" not in row or "answer" not in row:
-            raise ValueError(f"{where}: needs 'question' and 'answer' (has {sorted(row)})")
+            raise ValueError(f"{where_i}: needs 'question' and 'answer' (has {sorted(row)})")
         out.append({
             "data_source": DATA_SOURCE,
             "prompt": [{"role": "user", "content": row["question"] + " " + INSTRUCTION}],
             "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": extract_answer(row["answer"], where)},
+            "reward_model": {"style": "rule", "ground_truth": extract_answer(row["answer"], where_i)},
             "extra_info": {"split": split, "index": i, "answer": row["answer"], "question": row["question"]},
         })
     return out
@@ -64,12 +70,16 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="train")
     args = p.parse_args(argv)
     try:
-        rows = convert(read_rows(args.input), args.split, str(args.input))
+        rows, where = read_rows(args.input)
+        rows = convert(rows, args.split, str(args.input), where)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), args.output)
+    # written beside the output and renamed over it: an interrupted run leaves the file that was there, whole
+    part = args.output.with_name(f".{args.output.name}.part")
+    pq.write_table(pa.Table.from_pylist(rows), part)
+    part.replace(args.output)
     print(f"wrote {len(rows)} rows to {args.output}")
     return 0
 

@@ -46,4 +46,11 @@ def test_bad_answer_row_is_named(tmp_path):
     jl = tmp_path / "bad.jsonl"
     jl.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"question": "q", "answer": "no marker"}))
     res = run("--input", jl, "--output", tmp_path / "o.parquet")
-    assert res.returncode == 2 and "bad.jsonl: row 1" in res.stderr and not (tmp_path / "o.parquet").exists()
+    assert res.returncode == 2 and not (tmp_path / "o.parquet").exists()
+    assert "bad.jsonl: line 2: answer has no '#### <number>'" in res.stderr, res.stderr  # the line an editor shows
+    jl.write_text(json.dumps(ROWS[0]) + "\n\n" + json.dumps({"question": "q"}) + "\n")  # a blank line between
+    res = run("--input", jl, "--output", tmp_path / "o.parquet")
+    assert res.returncode == 2 and "bad.jsonl: line 3: needs 'question' and 'answer'" in res.stderr, res.stderr
+    pq.write_table(pa.Table.from_pylist([ROWS[0], {"question": "q", "answer": "none"}]), tmp_path / "bad.parquet")
+    res = run("--input", tmp_path / "bad.parquet", "--output", tmp_path / "o.parquet")
+    assert res.returncode == 2 and "bad.parquet: row 1: answer" in res.stderr, res.stderr
