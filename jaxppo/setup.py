@@ -22,6 +22,35 @@ from jaxppo.models import ModelConfig, build_model, init_params, save_hf_checkpo
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+RUN_LOCK = ".jaxppo.lock"  # in the run directory: held by the process training there
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold the run directory for this process (a POSIX lock on RUN/.jaxppo.lock, released when the process ends,
+    however it ends): a second process started on the same directory (the same command twice, a scheduler's requeue
+    while the first still runs) would interleave its metrics and checkpoints with the first's. Refused with a
+    ConfigError naming the holder; the same process may lock it again (trainers re-created in one process). Returns
+    the open lock file, to keep while the run lasts (closing it releases the lock)."""
+    import datetime
+    import fcntl
+    import socket
+
+    f = open(Path(run_dir) / RUN_LOCK, "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that did not say which"
+        f.close()
+        raise ConfigError(f"trainer.default_local_dir: {run_dir} is in use by a running jaxppo process ({holder}); "
+                          "wait for it to end or stop it, or choose another directory") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
+    f.flush()
+    return f
+
+
 def make_run_dir(cfg: Config) -> Path:
     """`trainer.default_local_dir`, created if needed; a path that is a file or cannot be written is a ConfigError."""
     run_dir = Path(cfg.trainer.default_local_dir)
@@ -224,5 +253,5 @@ def attention_impl(cfg: Config) -> str | None:
     return "cudnn" if jax.default_backend() == "gpu" else None
 
 
-__all__ = ["check_warm_model", "make_run_dir", "write_atomic", "truncate_metrics", "check_reward_sources", "check_tokenizer",
+__all__ = ["check_warm_model", "make_run_dir", "lock_run_dir", "write_atomic", "truncate_metrics", "check_reward_sources", "check_tokenizer",
            "prepare_data", "prepare_model_dir", "tiny_model_config", "engine_dtype", "attention_impl", "DTYPES"]

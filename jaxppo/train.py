@@ -46,6 +46,18 @@ def parse(argv: list[str]):
     return p.parse_args(argv)
 
 
+def refuse_a_run_dir_in_use(cfg) -> None:
+    """A run directory another process trains in is refused now (ConfigError), before the memory plan's minutes;
+    the trainer then holds it for the run (`jaxppo.setup.lock_run_dir`). One process only: the processes of a
+    multi-process run share their directory, which process 0 holds."""
+    from jaxppo.distributed import topology_from_env
+    from jaxppo.setup import lock_run_dir
+
+    t = cfg.trainer
+    if Path(t.default_local_dir).is_dir() and not (t.plan_only or t.val_only) and topology_from_env() is None:
+        lock_run_dir(Path(t.default_local_dir)).close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -57,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     try:
         cfg = load_config(path, args.overrides)
+        refuse_a_run_dir_in_use(cfg)
         if cfg.rollout.engine == "vllm":  # before JAX touches the GPU: see jaxppo/memory.py
             from jaxppo import memory
 

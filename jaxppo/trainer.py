@@ -35,7 +35,7 @@ from jaxppo.rewards import custom as custom_reward
 from jaxppo.rewards.workers import pool as reward_pool, resolve as resolve_workers
 from jaxppo.perf import device_peak_flops, flops_model, gc_clock
 from jaxppo.rollout import RolloutEngine
-from jaxppo.setup import (DTYPES, check_warm_model, engine_dtype, make_run_dir, prepare_model_dir,
+from jaxppo.setup import (DTYPES, check_warm_model, engine_dtype, lock_run_dir, make_run_dir, prepare_model_dir,
                           truncate_metrics, write_atomic)
 from jaxppo.step import PPOState, StepContext, Timer
 from jaxppo.warmstart import sft_warm_start
@@ -79,6 +79,9 @@ class PPOTrainer:
         prep = start.prepare(cfg)
         self.plan, self.mesh, self.sampler, self.total_steps = prep.plan, prep.mesh, prep.sampler, prep.total_steps
         self.run_dir = make_run_dir(cfg)
+        # one process trains in a run directory (process 0 for all of a multi-process run): before anything in it
+        # is read or written
+        self._run_lock = lock_run_dir(self.run_dir) if self.main else None
         start.adopt(prep, self.run_dir)
         self.tokenizer, self.tokenizer_dir, self.train_ds = prep.tokenizer, prep.tokenizer_dir, prep.train_ds
         self.model_dir = prepare_model_dir(cfg, self.run_dir, self.tokenizer)
@@ -399,6 +402,9 @@ class PPOTrainer:
         in the same process (tests, notebooks, sweeps) does not keep this one's cyclic garbage for good."""
         if self.ahead is not None:
             self.ahead.close()
+        if self._run_lock is not None:  # the run directory is free for the next run
+            self._run_lock.close()
+            self._run_lock = None
         gc.unfreeze()
 
     def __enter__(self) -> "PPOTrainer":

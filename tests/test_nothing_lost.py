@@ -216,8 +216,6 @@ def test_export_of_a_run_takes_its_newest_checkpoint_that_restores(base_run, tmp
     """`--ckpt RUN` (or RUN/checkpoints) exports the newest checkpoint that restores, as a resume would take it: the
     newest, cut by a kill, is named in a warning and the one before exported (the same bytes as exporting that step
     by name); a run whose checkpoints all fail, or a directory without any, exits 2 with nothing written."""
-    import json
-
     run = copy_run(base_run, tmp_path)
     corrupt(run / "checkpoints" / "4", "data")
     assert export_main(["--ckpt", str(run / "checkpoints" / "3"), "--out", str(tmp_path / "by_step")]) == 0
@@ -336,3 +334,33 @@ def test_a_reward_that_exits_costs_its_samples_only_and_the_run_finishes(tmp_pat
     recs = {r["step"]: r for r in all_records(run)}
     assert recs[1]["reward/errors"] + recs[2]["reward/errors"] > 0  # some ground truths end in 3 or 7
     assert steps_on_disk(run) == [2]
+
+
+def test_a_run_directory_in_use_by_another_process_is_refused_and_left_as_it_was(base_run, tmp_path, capsys):
+    """The same command started twice (or a scheduler's requeue while the first still runs): the second process
+    exits 2 naming the first (its pid), before the memory plan and without touching the run's files; once the
+    first ends, however it ends, the directory is free. The process holding it may lock it again."""
+    import signal as sig
+
+    from jaxppo.setup import RUN_LOCK, lock_run_dir
+
+    run = copy_run(base_run, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                               "from jaxppo.setup import lock_run_dir; f = lock_run_dir(Path(sys.argv[1])); "
+                               "print('held', flush=True); sys.stdin.read()", str(run)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=train_env(), cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != RUN_LOCK}
+        assert train_main([*BASE, f"trainer.default_local_dir={run}", "trainer.total_training_steps=6"]) == 2
+        err = capsys.readouterr().err
+        assert f"in use by a running jaxppo process (pid {holder.pid} on" in err and len(err.strip().splitlines()) == 1
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != RUN_LOCK} == before
+    finally:
+        holder.send_signal(sig.SIGKILL)  # an unclean end frees it too
+        holder.wait()
+    mine = lock_run_dir(run)
+    again = lock_run_dir(run)  # this process again (a trainer re-created in one process)
+    assert f"pid {os.getpid()} on" in (run / RUN_LOCK).read_text()
+    again.close()
+    mine.close()
