@@ -35,10 +35,17 @@ def lock_run_dir(run_dir: Path):
     import fcntl
     import socket
 
+    import errno
+    import logging
+
     f = open(Path(run_dir) / RUN_LOCK, "a+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):  # a filesystem without locks (some NFS mounts): go on
+            logging.getLogger(__name__).warning("%s: cannot lock (%s); nothing stops a second process from training "
+                                                "in this directory at the same time", run_dir, e.strerror or e)
+            return f
         f.seek(0)
         holder = f.read().strip() or "a process that did not say which"
         f.close()
