@@ -50,14 +50,18 @@ def check_out(out: Path, force: bool) -> None:
 def step_dirs(ckpt: str | Path) -> list[Path]:
     """The checkpoint step directories `--ckpt` names, newest first: itself (RUN/checkpoints/<step>), or the steps of
     a run directory (one with config.yaml) or of a checkpoints directory."""
+    from jaxppo.checkpoint import RunCheckpointer
     from jaxppo.errors import CheckpointError
 
     path = Path(ckpt).absolute()
     if path.name.isdigit():
         return [path]
     root = path / "checkpoints" if (path / "config.yaml").is_file() else path
-    steps = sorted((int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()),
-                   reverse=True) if root.is_dir() else []
+    steps: list[int] = []
+    if root.is_dir():  # the steps as the trainer's checkpointer sees them (a resume takes the same ones)
+        ck = RunCheckpointer(root)
+        steps = ck.all_steps()[::-1]
+        ck.close()
     if not steps:
         raise CheckpointError(f"{path}: no checkpoint here; --ckpt takes RUN/checkpoints/<step>, a run directory or "
                               "its checkpoints directory")

@@ -32,11 +32,10 @@ def lock_run_dir(run_dir: Path):
     ConfigError naming the holder; the same process may lock it again (trainers re-created in one process). Returns
     the open lock file, to keep while the run lasts (closing it releases the lock)."""
     import datetime
-    import fcntl
-    import socket
-
     import errno
+    import fcntl
     import logging
+    import socket
 
     f = open(Path(run_dir) / RUN_LOCK, "a+")
     try:

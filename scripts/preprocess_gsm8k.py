@@ -47,10 +47,11 @@ def read_rows(path: Path) -> tuple[list[dict], list[str]]:
     raise ValueError(f"{path}: expected .jsonl or .parquet")
 
 
-def convert(rows: list[dict], split: str, source: str, where: list[str] | None = None) -> list[dict]:
+def convert(rows: list[dict], split: str, source: str, where: list[str]) -> list[dict]:
+    """The rows in verl's schema; `where`: each row's place in the file (`read_rows`), for the errors."""
     out = []
     for i, row in enumerate(rows):
-        where_i = f"{source}: {where[i] if where else f'row {i}'}"
+        where_i = f"{source}: {where[i]}"
         if "question" not in row or "answer" not in row:
             raise ValueError(f"{where_i}: needs 'question' and 'answer' (has {sorted(row)})")
         out.append({
