@@ -67,8 +67,9 @@ class VllmShare:
     weights: int
     kv_per_sequence: int  # KV cache of one max-length sequence
     sequences: int  # max-length sequences its KV cache holds at once
-    step_sequences: int  # sequences a step generates
+    generation_sequences: int  # sequences one generation call asks for: the step's, or a dynamic-sampling round's
     utilization: float  # what vLLM is started with (its share as a fraction of the card)
+    round: bool = False  # generation_sequences is a round of dynamic sampling (algorithm.filter_groups)
 
     @property
     def minimum(self) -> int:
@@ -146,10 +147,11 @@ class Plan:
             lines += [f"    {k:<40}{gb(v)}" for k, v in self.host.items()]
         if self.vllm is not None:
             v = self.vllm
-            waves = -(-v.step_sequences // max(v.sequences, 1))
+            waves = -(-v.generation_sequences // max(v.sequences, 1))
             lines.append(f"  {'vLLM share':<42}{gb(v.bytes)}  (gpu_memory_utilization {v.utilization:.3f}: weights "
                          f"{v.weights / GiB:.1f} GiB + ~{VLLM_OVERHEAD / GiB:.0f} GiB graphs / activations + KV cache "
-                         f"for {v.sequences} max-length sequences at once; the step's {v.step_sequences} run in "
+                         f"for {v.sequences} max-length sequences at once; "
+                         f"{'a generation round' if v.round else 'the step'}'s {v.generation_sequences} run in "
                          f"{waves} wave{'s' if waves > 1 else ''})")
         return "\n".join(lines)
 
@@ -166,11 +168,11 @@ def vllm_sizes(cfg: Any, model: Any) -> tuple[int, int]:
 
 
 def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, weights: int, kv_seq: int,
-            step_seqs: int, shards: int) -> tuple[int | None, list[int | None]]:
+            gen_seqs: int, shards: int) -> tuple[int | None, list[int | None]]:
     """(JAX's share when fixed: an explicit split, or no vLLM; the room beside the states that a packed phase's
-    budget is searched in, in turn). With an automatic split: beside room for the whole batch's KV cache, then, for
-    a program that does not fit there even at the smallest budget, beside vLLM running the step's sequences in
-    waves, half as many at once each time, down to one max-length sequence. ConfigError when the states alone do
+    budget is searched in, in turn). With an automatic split: beside room for the KV cache of a whole generation
+    call (`gen_seqs`: the step's sequences, or a dynamic-sampling round's), then, for a program that does not fit
+    there even at the smallest budget, beside vLLM running them in waves, half as many at once each time, down to one max-length sequence. ConfigError when the states alone do
     not fit."""
     r = cfg.rollout
     resident = sum(states.values())
@@ -180,14 +182,14 @@ def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, wei
         jax_limit = search_limit = int((1.0 - r.gpu_memory_utilization - memory.MARGIN) * card)
     elif vllm:  # automatic: room for vLLM to run every sequence of the step at once if the card allows
         jax_limit = None
-        search_limit = usable - (weights + VLLM_OVERHEAD + kv_seq * min(step_seqs, VLLM_MAX_SEQS))
+        search_limit = usable - (weights + VLLM_OVERHEAD + kv_seq * min(gen_seqs, VLLM_MAX_SEQS))
     elif card is not None:
         jax_limit = search_limit = int(memory.jax_fraction() * card) if cfg.trainer.device_memory_gb <= 0 else card
     else:
         return None, [None]
     limits = [search_limit - resident - margin]
     if vllm and r.gpu_memory_utilization == 0:
-        seqs = min(step_seqs, VLLM_MAX_SEQS)
+        seqs = min(gen_seqs, VLLM_MAX_SEQS)
         while seqs > 1:
             seqs = -(-seqs // 2)
             limits.append(usable - (weights + VLLM_OVERHEAD + kv_seq * seqs) - resident - margin)
@@ -215,8 +217,9 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     resident = sum(states.values())
     vllm = r.engine == "vllm" and card is not None
     step_seqs = d.train_batch_size * r.n
+    gen_seqs = generation_sequences(cfg)
     weights, kv_seq = vllm_sizes(cfg, build.actor_cfg)
-    jax_limit, limits = _limits(cfg, card, states, margin, weights, kv_seq, step_seqs, build.shards)
+    jax_limit, limits = _limits(cfg, card, states, margin, weights, kv_seq, gen_seqs, build.shards)
 
     rows_step = step_seqs // jax.process_count()
     seeds = memory.token_budgets(cfg, build.actor_cfg, build.critic_cfg, build.shards, card)
@@ -343,7 +346,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
         critic_forward=chosen.get("critic.forward_max_token_len_per_device", 0))
     plan = Plan(states, phases, margin, card, jax_limit, None, budgets, finals, build.host_state_bytes())
     if vllm:
-        plan = _split(cfg, plan, weights, kv_seq, step_seqs)
+        plan = _split(cfg, plan, weights, kv_seq, gen_seqs)
     check(cfg, plan)
     return plan
 
@@ -384,7 +387,7 @@ def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None
     out = dataclasses.replace(plan, phases=[phases[p.name] for p in plan.phases], finals=[])
     if plan.vllm is not None and cfg.rollout.gpu_memory_utilization == 0:
         weights, kv = plan.vllm.weights, plan.vllm.kv_per_sequence
-        out = _split(cfg, out, weights, kv, plan.vllm.step_sequences, held=max(held() or 0, out.need))
+        out = _split(cfg, out, weights, kv, plan.vllm.generation_sequences, held=max(held() or 0, out.need))
         if out.need > plan.need:
             raise ConfigError(f"the run does not fit the card: its programs compiled with autotuning need "
                               f"{(out.need - plan.need) / GiB:.2f} GiB more than the plan reserved "
@@ -452,7 +455,15 @@ def watch_late_compiles(plan: Plan, programs: list[Any]) -> list[dict[str, Any]]
     return record
 
 
-def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, step_seqs: int, held: int | None = None) -> Plan:
+def generation_sequences(cfg: Any) -> int:
+    """Sequences one generation call asks vLLM for: the step's (data.train_batch_size x rollout.n), or under dynamic
+    sampling a round's (data.gen_batch_size x rollout.n; jaxppo.step.sample)."""
+    d = cfg.data
+    prompts = (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable else d.train_batch_size
+    return prompts * cfg.rollout.n
+
+
+def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, gen_seqs: int, held: int | None = None) -> Plan:
     """vLLM's share: the rest of the card beside what JAX holds (`held`, else its need: automatic), or the
     configured fraction."""
     card = plan.card
@@ -466,7 +477,8 @@ def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, step_seqs: int, held
         u = max(share, 0) / card
     held = max(share - weights - VLLM_OVERHEAD, 0) // max(kv_seq, 1)
     return dataclasses.replace(plan, jax_limit=jax_limit,
-                               vllm=VllmShare(share, weights, kv_seq, int(held), step_seqs, float(u)))
+                               vllm=VllmShare(share, weights, kv_seq, int(held), gen_seqs, float(u),
+                                              cfg.algorithm.filter_groups.enable))
 
 
 def check(cfg: Any, plan: Plan) -> None:

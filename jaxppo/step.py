@@ -364,6 +364,10 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
                 break
             if draw is None:
                 raise ValueError("dynamic sampling needs draw() for further generation rounds")
+            # a step of many rounds (a dataset too hard for the model: every group scores alike) is minutes long
+            log.info("dynamic sampling, step %d: %d of %d prompts' groups with signal after round %d%s; another round "
+                     "of %d prompts", step, sum(len(k.rows) for k in kept), n_want, rounds,
+                     f" of at most {fg.max_num_gen_batches}" if fg.max_num_gen_batches else "", len(rows))
             interrupt()
             rows = draw()
     out = Sampled.concat(kept, pad_id) if len(kept) > 1 else kept[0]

@@ -292,6 +292,27 @@ def test_a_program_too_large_beside_the_whole_batch_runs_beside_vllm_in_waves(tm
         prepared(tmp_path, *base, f"trainer.device_memory_gb={small / 2**30}")
 
 
+def test_under_dynamic_sampling_vllm_is_sized_for_a_generation_round(tmp_path, one_device, monkeypatch):
+    """DAPO's dynamic sampling asks vLLM for a round of data.gen_batch_size prompts at a time, not the step's
+    train_batch_size: the automatic split makes room for a round's KV cache and the plan counts a round's waves
+    (the DAPO config's plan said "the step's 2048 run in 1 wave" for rounds of 6144)."""
+    from jaxppo import memory, plan as plan_mod
+    from jaxppo.plan import VLLM_OVERHEAD
+
+    base = [*PACKED, "rollout.engine=vllm", "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4"]
+    need0 = prepared(tmp_path, *base, "trainer.device_memory_gb=1000").plan.need
+    weights, kv = 2**20, need0
+    monkeypatch.setattr(plan_mod, "vllm_sizes", lambda cfg, model: (weights, kv))
+    # room for JAX beside 12 sequences' KV cache: the step's 8 at once, a round's 16 in 2 waves
+    card = (weights + VLLM_OVERHEAD + kv * 12 + need0 + 2**20) / (1 - memory.MARGIN)
+    plain = prepared(tmp_path, *base, f"trainer.device_memory_gb={card / 2**30}").plan
+    assert plain.vllm.generation_sequences == 8 and "the step's 8 run in 1 wave" in plain.table()
+    rounds = prepared(tmp_path, *base, "algorithm.filter_groups.enable=true", "data.gen_batch_size=8",
+                      f"trainer.device_memory_gb={card / 2**30}").plan
+    assert rounds.vllm.generation_sequences == 16 and 12 <= rounds.vllm.sequences < 16
+    assert "a generation round's 16 run in 2 waves" in rounds.table()
+
+
 def test_jax_takes_its_share_as_one_allocation_and_the_planning_child_grows_on_demand():
     from jaxppo import memory
 

@@ -80,9 +80,14 @@ def run(ctx):
     return ppo_step.sample(ctx, state, np.arange(6), step=0, timer=ppo_step.Timer(), draw=lambda: next(rounds))
 
 
-def test_groups_without_signal_are_dropped_and_the_batch_refilled():
+def test_groups_without_signal_are_dropped_and_the_batch_refilled(caplog):
     ctx = make_ctx()
-    got, metrics = run(ctx)
+    with caplog.at_level("INFO", logger="jaxppo.step"):
+        got, metrics = run(ctx)
+    # each further round is announced (a step of many rounds is minutes long on a GPU)
+    assert [r.getMessage() for r in caplog.records if "dynamic sampling" in r.getMessage()] == [
+        "dynamic sampling, step 0: 2 of 4 prompts' groups with signal after round 1 of at most 10; another round of "
+        "6 prompts"]
     # round 1: prompts 0..5 -> 2 and 5 have signal; round 2: 6..11 -> 8 and 11: four prompts, the batch is full
     assert got.rows.tolist() == [2, 5, 8, 11] and ctx.engine.calls == 2
     assert metrics == {"batch/num_gen_batches": 2.0, "batch/generated_groups": 12.0, "batch/dropped_groups": 8.0,
