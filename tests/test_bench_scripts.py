@@ -190,3 +190,27 @@ def test_check_configs_records_the_runs_own_step_row_when_asked(tmp_path, monkey
     assert "--no-ledger" in plain and "--ledger" not in plain
     assert "--no-ledger" not in both and both[both.index("--ledger") + 1] == str(led)
     assert [r["bench"] for r in ledger.read(led)] == ["config_check", "config_check"]
+
+
+def test_make_checkpoint_never_replaces_a_directory_that_holds_something_else(tmp_path, capsys):
+    """The checkpoint replaces --out as a whole: a directory of other files (`--out ~/models`) is refused with
+    nothing touched, a checkpoint is replaced only with --force, a new or empty directory is written."""
+    from scripts import make_checkpoint
+
+    mine = tmp_path / "models"
+    (mine / "keep").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    assert make_checkpoint.main(["--shape", "tiny", "--out", str(mine)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["keep", "notes.txt"] and (mine / "keep").is_dir()
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    assert make_checkpoint.main(["--shape", "tiny", "--out", str(afile)]) == 2 and afile.read_text() == "x"
+
+    new = tmp_path / "tiny"
+    assert make_checkpoint.main(["--shape", "tiny", "--out", str(new), "--seed", "1"]) == 0
+    first = (new / "model.safetensors").read_bytes()
+    assert make_checkpoint.main(["--shape", "tiny", "--out", str(new), "--seed", "2"]) == 2
+    assert "--force" in capsys.readouterr().err and (new / "model.safetensors").read_bytes() == first
+    assert make_checkpoint.main(["--shape", "tiny", "--out", str(new), "--seed", "2", "--force"]) == 0
+    assert (new / "model.safetensors").read_bytes() != first
