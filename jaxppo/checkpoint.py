@@ -85,8 +85,9 @@ class RunCheckpointer:
             mismatch = shape_mismatches(stored_tree(self.directory / str(step) / name), tree)
             if mismatch:
                 raise CheckpointError(f"{self.directory}/{step}: {name} {mismatch}: this run directory's checkpoints "
-                                      "were written with another model (model.path / model.tiny_*); use another "
-                                      "trainer.default_local_dir, or the run's own model")
+                                      "were written with another model or other adapters (model.path, model.tiny_*, "
+                                      "*.lora_rank, *.target_modules); use another trainer.default_local_dir, or "
+                                      "the run's own settings")
 
     def restore(self, step: int, like: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """States shaped and sharded like `like` (current states), and the JSON metadata."""
@@ -133,6 +134,33 @@ def stored_tree(item_dir: Path) -> Any:
         raise FileNotFoundError(f"{item_dir} does not exist")
     meta = ocp.StandardCheckpointHandler().metadata(item_dir)
     return getattr(meta, "tree", meta)
+
+
+# the settings that decide the shapes of the checkpointed states (what a resume's shape check compares): keys, or
+# prefixes of keys ending in "_"
+STATE_SHAPE_KEYS = ("model.path", "model.tiny_", "actor.lora_rank", "actor.target_modules", "critic.lora_rank",
+                    "critic.target_modules", "algorithm.adv_estimator")
+
+
+def settings_changed(run_dir: Path, cfg: Any) -> list[str]:
+    """The settings of STATE_SHAPE_KEYS whose values in `run_dir`'s config.yaml (the run that wrote its checkpoints)
+    differ from `cfg`'s, as 'key: was -> now'; [] when the file is missing or unreadable."""
+    from jaxppo.config import config_dict, load_config
+
+    try:
+        then = config_dict(load_config(Path(run_dir) / "config.yaml"))
+    except Exception:  # noqa: BLE001 - a hint only: the caller's error stands without it
+        return []
+
+    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    was, now = flat(then), flat(config_dict(cfg))
+    keys = [k for k in now if any(k == s or (s.endswith("_") and k.startswith(s)) for s in STATE_SHAPE_KEYS)]
+    return [f"{k}: {was.get(k)!r} -> {now[k]!r}" for k in keys if was.get(k) != now[k]]
 
 
 def shape_mismatches(stored: Any, like: Any, limit: int = 3) -> str:

@@ -21,10 +21,10 @@ from jaxppo import start
 from jaxppo.plan import bind_plan
 from jaxppo import step as ppo_step
 from jaxppo import validation
-from jaxppo.checkpoint import RunCheckpointer, restore_from
+from jaxppo.checkpoint import RunCheckpointer, restore_from, settings_changed
 from jaxppo.config import Config, config_dict, to_yaml
 from jaxppo.engine import ActorEngine, CriticEngine
-from jaxppo.errors import ConfigError
+from jaxppo.errors import CheckpointError, ConfigError
 from jaxppo.health import HealthMonitor
 from jaxppo.metrics import MetricsLogger
 from jaxppo.models import load_model, save_hf_checkpoint
@@ -205,13 +205,22 @@ class PPOTrainer:
         mode = self.cfg.trainer.resume_mode
         if mode == "disable":
             return
-        if mode == "auto":
-            found = self.checkpointer.restore_newest(self._states())
-            if found is None:
-                return
-            step, states, meta = found
-        else:
-            step, states, meta = restore_from(mode, self._states())
+        try:
+            if mode == "auto":
+                found = self.checkpointer.restore_newest(self._states())
+                if found is None:
+                    return
+                step, states, meta = found
+            else:
+                step, states, meta = restore_from(mode, self._states())
+        except CheckpointError as e:  # the settings that changed since the run that wrote it, when they are known
+            given = Path(mode).absolute()  # RUN/checkpoints/<step> or RUN/checkpoints
+            ckpt_run = self.run_dir if mode == "auto" else (given.parent if given.name.isdigit() else given).parent
+            changed = settings_changed(ckpt_run, self.cfg)
+            if not changed:
+                raise
+            raise CheckpointError(f"{e} (the settings that changed since the run that wrote it, by its "
+                                  f"{ckpt_run / 'config.yaml'}: {'; '.join(changed)})") from None
         self.state = PPOState(states["actor"], states.get("critic"), self.state.ref_params, float(meta["kl_coef"]))
         self.step = int(meta["step"])
         if mode == "auto" or self.checkpointer.directory in (Path(mode).absolute(), Path(mode).absolute().parent):

@@ -132,6 +132,8 @@ def other_model(tmp_path_factory, base_run) -> Path:
     (["model.path={other}", "data.tokenizer={run}/tokenizer"], "warm_model was made from another model"),
     (["model.path={other}", "data.tokenizer={run}/tokenizer", "trainer.sft_warmup_steps=0"],
      "checkpoints were written with another model"),
+    # adapters where the run trained the whole model: the setting that changed is named
+    (["actor.lora_rank=4"], "config.yaml: actor.lora_rank: 0 -> 4)"),
     (["data.synthetic_train_size=300"], "synthetic data was made with other settings"),
 ])
 def test_another_model_on_an_existing_run_exits_2_and_leaves_its_record(change, message, base_run, other_model,
