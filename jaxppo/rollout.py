@@ -28,7 +28,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     max_tokens: int = 256  # response length cap
-    seed: int | None = None  # same seed -> same samples (vLLM: per request seed + index)
+    seed: int | None = None  # same seed -> same samples (one generator for the call, seeded with it)
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
     # the engine's log-prob of each sampled token (False: NaN). vLLM computes them for the batch on every decode
     # step and builds a Python object per token, CPU work that bounds a small model's generation

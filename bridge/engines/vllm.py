@@ -177,14 +177,17 @@ class VLLMEngine:
 
         stop = list(dict.fromkeys(list(self.eos_token_ids) + list(sampling.stop_token_ids)))
         greedy = sampling.temperature == 0
-        params = []
-        for i in range(len(prompt_token_ids)):
-            params.append(SamplingParams(
-                n=sampling.n, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-                top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_tokens,
-                logprobs=0 if sampling.logprobs else None,
-                seed=None if sampling.seed is None else sampling.seed * 1_000_003 + i,
-                stop_token_ids=stop, ignore_eos=not self.eos_token_ids, detokenize=False))
+        # one seed for the whole call, on the device's default generator (the engine core runs in this process): a
+        # request with a seed of its own gets a generator of its own, and vLLM's sampler draws for those one
+        # request at a time, a Python loop over the batch at every decode step (v1/sample/ops/topk_topp_sampler.py,
+        # random_sample). The same prompts, weights and seed give the same samples, as before.
+        if sampling.seed is not None and not greedy:
+            torch.manual_seed(sampling.seed)
+        params = SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_tokens,
+            logprobs=0 if sampling.logprobs else None,
+            stop_token_ids=stop, ignore_eos=not self.eos_token_ids, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         samples = []

@@ -41,6 +41,23 @@ def test_seed_and_n(setup):
     checks.check_seed_and_n(engine, cfg.vocab_size)
 
 
+def test_no_request_carries_a_generator_of_its_own(setup, monkeypatch):
+    """vLLM's sampler draws for requests with seeds of their own one at a time (a Python loop over the batch at
+    every decode step): a seeded call seeds one generator for the batch instead, and its samples stay reproducible
+    (test_seed_and_n)."""
+    from jaxppo.rollout import Sampling
+
+    engine, module, params, cfg = setup
+    seen = []
+    generate = engine.llm.generate
+    monkeypatch.setattr(engine.llm, "generate", lambda prompts, sp, **kw: (seen.append(sp), generate(prompts, sp,
+                                                                                                      **kw))[1])
+    engine.generate(checks.prompts(cfg.vocab_size), Sampling(n=2, temperature=1.0, max_tokens=checks.MAX_TOKENS,
+                                                             seed=5))
+    sps = seen[0] if isinstance(seen[0], list) else [seen[0]]
+    assert all(sp.seed is None for sp in sps), [sp.seed for sp in sps]
+
+
 def test_eos_stops_and_mask(setup):
     engine, module, params, cfg = setup
     checks.check_eos_stops(engine, cfg.vocab_size)
