@@ -82,6 +82,18 @@ def thread_local_capture():
         graphs.graph.__init__ = init
 
 
+def sampled_logprobs(lp: Any, toks: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from a completion's `logprobs` (asked with logprobs=0): vLLM's FlatLogprobs
+    (`flat_logprobs=True`: a few flat lists per sequence instead of a dict and a Logprob object per token), the
+    sampled token first at each position; or the list of {token: Logprob} per position."""
+    if hasattr(lp, "start_indices"):
+        starts = lp.start_indices
+        if [lp.token_ids[s] for s in starts] != toks:
+            raise RuntimeError("vLLM's log-probs do not follow the sampled tokens")
+        return [lp.logprobs[s] for s in starts]
+    return [step[t].logprob for step, t in zip(lp, toks)]
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str | None = None,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, gpu_memory_utilization: float = 0.5,
@@ -186,7 +198,7 @@ class VLLMEngine:
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_tokens,
-            logprobs=0 if sampling.logprobs else None,
+            logprobs=0 if sampling.logprobs else None, flat_logprobs=True,
             stop_token_ids=stop, ignore_eos=not self.eos_token_ids, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -194,7 +206,7 @@ class VLLMEngine:
         for out in outputs:
             for comp in out.outputs:
                 toks = list(comp.token_ids)
-                lps = None if comp.logprobs is None else [step[t].logprob for step, t in zip(comp.logprobs, toks)]
+                lps = None if comp.logprobs is None else sampled_logprobs(comp.logprobs, toks)
                 samples.append((toks, lps, "stop" if comp.finish_reason == "stop" else "length"))
         return pack_responses(samples, sampling.max_tokens, self.pad_token_id, sampling.n, sampling.logprobs)
 

@@ -44,7 +44,8 @@ def test_seed_and_n(setup):
 def test_no_request_carries_a_generator_of_its_own(setup, monkeypatch):
     """vLLM's sampler draws for requests with seeds of their own one at a time (a Python loop over the batch at
     every decode step): a seeded call seeds one generator for the batch instead, and its samples stay reproducible
-    (test_seed_and_n)."""
+    (test_seed_and_n). Log-probs come back flat (a few lists a sequence, not an object a token); their values are
+    checked against the trainer's in test_logprobs_match_trainer."""
     from jaxppo.rollout import Sampling
 
     engine, module, params, cfg = setup
@@ -56,6 +57,7 @@ def test_no_request_carries_a_generator_of_its_own(setup, monkeypatch):
                                                              seed=5))
     sps = seen[0] if isinstance(seen[0], list) else [seen[0]]
     assert all(sp.seed is None for sp in sps), [sp.seed for sp in sps]
+    assert all(sp.flat_logprobs for sp in sps)
 
 
 def test_eos_stops_and_mask(setup):
