@@ -17,6 +17,8 @@ queue() {
   # name | command (run from the repo root): the step benchmarks (10 steps, ledger `ppo_step`), synchronous and
   # one step ahead; then one job per config check (3 steps, ledger `config_check`). JOBS picks and orders them.
   local B="$PY scripts/bench_ppo_step.py --ledger $Q/results.jsonl"
+  # sampling05*: standalone vLLM, the ways of asking for samples side by side on one engine (a seed per request
+  # against one seed for the call; log-probs as dicts, flat, none)
   # the profiled runs (trainer.profile_tools=[torch]: CUPTI's record of every kernel, the engine's and XLA's, then
   # scripts/trace_summary.py: streams at once, the GPU's share of `gen`), traces kept on the machine, summaries back
   local P="$PY scripts/bench_ppo_step.py"
@@ -31,6 +33,8 @@ lora7b|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps
 lora7b_bypass|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass.json --workdir $Q/w/lora7b_bypass algorithm.rollout_correction.bypass_mode=true
 prof05_async|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_async.json --workdir $Q/w/prof05_async trainer.async_rollout=true trainer.profile_steps=[5] trainer.profile_tools=[torch] trainer.profile_dir=$Q/w/prof_async && $PY scripts/trace_summary.py $Q/w/prof_async --top 25 --json-out $Q/prof05_async_summary.json
 prof05_sync|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_sync.json --workdir $Q/w/prof05_sync trainer.profile_steps=[5] trainer.profile_tools=[torch] trainer.profile_dir=$Q/w/prof_sync && $PY scripts/trace_summary.py $Q/w/prof_sync --top 25 --json-out $Q/prof05_sync_summary.json
+sampling05|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ledger $Q/results.jsonl --json-out $Q/sampling05.json --workdir $Q/w/sampling05
+sampling05_n5|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 5 --tokens 256 --repeats 4 --ledger $Q/results.jsonl --json-out $Q/sampling05_n5.json --workdir $Q/w/sampling05_n5
 EOF
   # one job per config check (scripts/check_configs.py's names): check_<name> (3 steps, the `config_check` row), and
   # check10_<name> (10 steps: the `config_check` row and the run's own `ppo_step` row from one start)

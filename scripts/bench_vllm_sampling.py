@@ -1,0 +1,130 @@
+"""Standalone vLLM generation on a model shape with random weights, the ways of asking for samples side by side in
+one process on one engine (alternating, so drift hits all alike): what a seed per request and log-probs cost.
+
+    python scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256
+    python scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 5 --tokens 256 --ledger ...
+
+Ways (`--ways`, comma list):
+  seed_per_request  a SamplingParams per prompt with its own seed, log-probs as dicts (jaxppo's engine to 2026-12-03):
+                    vLLM gives each such request its own generator and samples those one request at a time
+  one_seed          one SamplingParams, torch.manual_seed before the call, log-probs as dicts
+  one_seed_flat     the same with flat_logprobs=True: what `bridge.engines.vllm.VLLMEngine.generate` asks now
+  no_logprobs       one seed, no log-probs: the floor for sampling alone
+Prompts are random token ids of the data's length; responses run to --tokens (no EOS: ignore_eos), so every way
+generates the same number of tokens. Each repeat: wall and CPU time of the call, tokens/s. Ledger `vllm_sampling`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WAYS = ("seed_per_request", "one_seed", "one_seed_flat", "no_logprobs")
+
+
+def params_for(way: str, prompts: int, n: int, tokens: int, seed: int):
+    """The SamplingParams of one call (a list: one per prompt) and whether to seed the default generator."""
+    from vllm import SamplingParams
+
+    base = dict(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    if way == "seed_per_request":
+        return [SamplingParams(**base, logprobs=0, seed=seed * 1_000_003 + i) for i in range(prompts)], False
+    if way == "one_seed":
+        return [SamplingParams(**base, logprobs=0)] * prompts, True
+    if way == "one_seed_flat":
+        return [SamplingParams(**base, logprobs=0, flat_logprobs=True)] * prompts, True
+    if way == "no_logprobs":
+        return [SamplingParams(**base)] * prompts, True
+    raise ValueError(f"--ways: unknown way {way!r}; known: {', '.join(WAYS)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", required=True)
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=80)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--ways", default=",".join(WAYS))
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    p.add_argument("--workdir", default="/tmp/jaxppo_bench_vllm_sampling")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--ledger", default=None, help="ledger file (default: the repo's)")
+    p.add_argument("--no-ledger", action="store_true")
+    args = p.parse_args(argv)
+    ways = args.ways.split(",")
+    for w in ways:
+        if w not in WAYS:
+            p.error(f"--ways: unknown way {w!r}; known: {', '.join(WAYS)}")
+    # JAX is imported (bridge's weight types) but never used here: it must not take the card vLLM is given
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import numpy as np
+    import torch
+
+    from bridge.engines import make_engine
+    from scripts import ledger
+    from scripts.shapes import SHAPES, write_config_dir
+
+    gpu = torch.cuda.is_available()
+    model_dir = write_config_dir(args.shape, Path(args.workdir) / args.shape)
+    engine = make_engine("vllm", model_dir=model_dir, dtype=args.dtype or ("bfloat16" if gpu else "float32"),
+                         pad_token_id=0, eos_token_ids=(), gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_model_len=args.prompt_len + args.tokens)
+    from vllm.inputs import TokensPrompt
+
+    vocab = SHAPES[args.shape].vocab_size
+    rng = np.random.default_rng(0)
+    expected = args.prompts * args.n * args.tokens
+
+    def call(way: str, seed: int) -> dict[str, float]:
+        prompts = [TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, args.prompt_len).tolist())
+                   for _ in range(args.prompts)]
+        params, seed_default = params_for(way, args.prompts, args.n, args.tokens, seed)
+        if seed_default:
+            torch.manual_seed(seed)
+        t, c = time.perf_counter(), time.process_time()
+        outs = engine.llm.generate(prompts, params, use_tqdm=False)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        got = sum(len(o.token_ids) for out in outs for o in out.outputs)
+        if got != expected:
+            raise RuntimeError(f"{way}: {got} tokens generated, {expected} expected")
+        return {"wall_s": wall, "cpu_s": cpu, "tokens_per_s": got / wall}
+
+    for w in ways:  # warm-up: each way's first call (graph sizes, allocator)
+        call(w, 0)
+    runs: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
+    for r in range(args.repeats):
+        for w in ways:
+            runs[w].append(call(w, r + 1))
+    figures = {}
+    print(f"{args.shape}: {args.prompts} prompts x {args.n} x {args.tokens} tokens, {args.repeats} repeats each "
+          f"({'GPU' if gpu else 'CPU'})")
+    for w in ways:
+        tps = [x["tokens_per_s"] for x in runs[w]]
+        figures[w] = {"tokens_per_s": statistics.median(tps), "wall_s": statistics.median(x["wall_s"] for x in runs[w]),
+                      "cpu_s": statistics.median(x["cpu_s"] for x in runs[w]), "tokens_per_s_all": tps}
+        f = figures[w]
+        print(f"  {w:<18} {f['tokens_per_s']:10.0f} tokens/s  wall {f['wall_s']:.3f} s  cpu {f['cpu_s']:.3f} s")
+    row = ledger.make_row("vllm_sampling", figures, shape=args.shape, prompts=args.prompts, n=args.n,
+                          tokens=args.tokens, prompt_len=args.prompt_len, samples={"repeats": args.repeats},
+                          command=None if argv is None else " ".join(["python scripts/bench_vllm_sampling.py", *argv]))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(row, indent=2))
+    if not args.no_ledger:
+        ledger.append(row, args.ledger)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
