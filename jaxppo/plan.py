@@ -172,8 +172,8 @@ def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, wei
     """(JAX's share when fixed: an explicit split, or no vLLM; the room beside the states that a packed phase's
     budget is searched in, in turn). With an automatic split: beside room for the KV cache of a whole generation
     call (`gen_seqs`: the step's sequences, or a dynamic-sampling round's), then, for a program that does not fit
-    there even at the smallest budget, beside vLLM running them in waves, half as many at once each time, down to one max-length sequence. ConfigError when the states alone do
-    not fit."""
+    there even at the smallest budget, beside vLLM running them in waves, half as many at once each time, down to
+    one max-length sequence. ConfigError when the states alone do not fit."""
     r = cfg.rollout
     resident = sum(states.values())
     vllm = r.engine == "vllm" and card is not None

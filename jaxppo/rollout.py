@@ -31,8 +31,7 @@ class Sampling:
     seed: int | None = None  # same seed -> same samples (one generator for the call, seeded with it)
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
     # the engine's log-prob of each sampled token (False: NaN). vLLM computes them for the batch on every decode
-    # step and builds a Python object per token, CPU work that bounds a small model's generation
-    # (docs/benchmarks.md, "PPO step")
+    # step and hands them over per sequence (asked flat: a few lists a sequence, not a Python object a token)
     logprobs: bool = True
 
 
