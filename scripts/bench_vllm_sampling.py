@@ -46,6 +46,43 @@ def params_for(way: str, prompts: int, n: int, tokens: int, seed: int):
     raise ValueError(f"--ways: unknown way {way!r}; known: {', '.join(WAYS)}")
 
 
+def measure(engine, vocab: int, ways: list[str], prompts: int, n: int, tokens: int, prompt_len: int,
+            repeats: int) -> dict[str, dict]:
+    """Per way: median tokens/s, wall and CPU seconds of a call, and every repeat's tokens/s. The ways alternate
+    within each repeat after one warm-up call each; every call gets fresh random prompts."""
+    import numpy as np
+    import torch
+    from vllm.inputs import TokensPrompt
+
+    rng = np.random.default_rng(0)
+    expected = prompts * n * tokens
+
+    def call(way: str, seed: int) -> dict[str, float]:
+        batch = [TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_len).tolist())
+                 for _ in range(prompts)]
+        params, seed_default = params_for(way, prompts, n, tokens, seed)
+        if seed_default:
+            torch.manual_seed(seed)
+        t, c = time.perf_counter(), time.process_time()
+        outs = engine.llm.generate(batch, params, use_tqdm=False)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        got = sum(len(o.token_ids) for out in outs for o in out.outputs)
+        if got != expected:
+            raise RuntimeError(f"{way}: {got} tokens generated, {expected} expected")
+        return {"wall_s": wall, "cpu_s": cpu, "tokens_per_s": got / wall}
+
+    for w in ways:  # warm-up: each way's first call (graph sizes, allocator)
+        call(w, 0)
+    runs: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
+    for r in range(repeats):
+        for w in ways:
+            runs[w].append(call(w, r + 1))
+    return {w: {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs[w]),
+                "wall_s": statistics.median(x["wall_s"] for x in runs[w]),
+                "cpu_s": statistics.median(x["cpu_s"] for x in runs[w]),
+                "tokens_per_s_all": [x["tokens_per_s"] for x in runs[w]]} for w in ways}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", required=True)
@@ -68,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--ways: unknown way {w!r}; known: {', '.join(WAYS)}")
     # JAX is imported (bridge's weight types) but never used here: it must not take the card vLLM is given
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    import numpy as np
     import torch
 
     from bridge.engines import make_engine
@@ -80,40 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine("vllm", model_dir=model_dir, dtype=args.dtype or ("bfloat16" if gpu else "float32"),
                          pad_token_id=0, eos_token_ids=(), gpu_memory_utilization=args.gpu_memory_utilization,
                          max_model_len=args.prompt_len + args.tokens)
-    from vllm.inputs import TokensPrompt
-
-    vocab = SHAPES[args.shape].vocab_size
-    rng = np.random.default_rng(0)
-    expected = args.prompts * args.n * args.tokens
-
-    def call(way: str, seed: int) -> dict[str, float]:
-        prompts = [TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, args.prompt_len).tolist())
-                   for _ in range(args.prompts)]
-        params, seed_default = params_for(way, args.prompts, args.n, args.tokens, seed)
-        if seed_default:
-            torch.manual_seed(seed)
-        t, c = time.perf_counter(), time.process_time()
-        outs = engine.llm.generate(prompts, params, use_tqdm=False)
-        wall, cpu = time.perf_counter() - t, time.process_time() - c
-        got = sum(len(o.token_ids) for out in outs for o in out.outputs)
-        if got != expected:
-            raise RuntimeError(f"{way}: {got} tokens generated, {expected} expected")
-        return {"wall_s": wall, "cpu_s": cpu, "tokens_per_s": got / wall}
-
-    for w in ways:  # warm-up: each way's first call (graph sizes, allocator)
-        call(w, 0)
-    runs: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
-    for r in range(args.repeats):
-        for w in ways:
-            runs[w].append(call(w, r + 1))
-    figures = {}
+    figures = measure(engine, SHAPES[args.shape].vocab_size, ways, args.prompts, args.n, args.tokens,
+                      args.prompt_len, args.repeats)
     print(f"{args.shape}: {args.prompts} prompts x {args.n} x {args.tokens} tokens, {args.repeats} repeats each "
           f"({'GPU' if gpu else 'CPU'})")
-    for w in ways:
-        tps = [x["tokens_per_s"] for x in runs[w]]
-        figures[w] = {"tokens_per_s": statistics.median(tps), "wall_s": statistics.median(x["wall_s"] for x in runs[w]),
-                      "cpu_s": statistics.median(x["cpu_s"] for x in runs[w]), "tokens_per_s_all": tps}
-        f = figures[w]
+    for w, f in figures.items():
         print(f"  {w:<18} {f['tokens_per_s']:10.0f} tokens/s  wall {f['wall_s']:.3f} s  cpu {f['cpu_s']:.3f} s")
     row = ledger.make_row("vllm_sampling", figures, shape=args.shape, prompts=args.prompts, n=args.n,
                           tokens=args.tokens, prompt_len=args.prompt_len, samples={"repeats": args.repeats},

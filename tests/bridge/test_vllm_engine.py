@@ -60,6 +60,18 @@ def test_no_request_carries_a_generator_of_its_own(setup, monkeypatch):
     assert all(sp.flat_logprobs for sp in sps)
 
 
+def test_bench_vllm_sampling_times_every_way_on_one_engine(setup):
+    """scripts/bench_vllm_sampling.py's measurement on this engine: every way generates the batch's tokens (it
+    checks the count) and is timed."""
+    from scripts.bench_vllm_sampling import WAYS, measure
+
+    engine, module, params, cfg = setup
+    figures = measure(engine, cfg.vocab_size, list(WAYS), prompts=8, n=2, tokens=4, prompt_len=8, repeats=1)
+    assert set(figures) == set(WAYS)
+    assert all(f["tokens_per_s"] > 0 and f["wall_s"] > 0 and len(f["tokens_per_s_all"]) == 1
+               for f in figures.values())
+
+
 def test_eos_stops_and_mask(setup):
     engine, module, params, cfg = setup
     checks.check_eos_stops(engine, cfg.vocab_size)
