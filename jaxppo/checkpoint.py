@@ -145,20 +145,15 @@ STATE_SHAPE_KEYS = ("model.path", "model.tiny_", "actor.lora_rank", "actor.targe
 def settings_changed(run_dir: Path, cfg: Any) -> list[str]:
     """The settings of STATE_SHAPE_KEYS whose values in `run_dir`'s config.yaml (the run that wrote its checkpoints)
     differ from `cfg`'s, as 'key: was -> now'; [] when the file is missing or unreadable."""
+    from flax.traverse_util import flatten_dict
+
     from jaxppo.config import config_dict, load_config
 
     try:
         then = config_dict(load_config(Path(run_dir) / "config.yaml"))
     except Exception:  # noqa: BLE001 - a hint only: the caller's error stands without it
         return []
-
-    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-        out = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    was, now = flat(then), flat(config_dict(cfg))
+    was, now = flatten_dict(then, sep="."), flatten_dict(config_dict(cfg), sep=".")
     keys = [k for k in now if any(k == s or (s.endswith("_") and k.startswith(s)) for s in STATE_SHAPE_KEYS)]
     return [f"{k}: {was.get(k)!r} -> {now[k]!r}" for k in keys if was.get(k) != now[k]]
 

@@ -9,6 +9,7 @@ Ways (`--ways`, comma list):
                     vLLM gives each such request its own generator and samples those one request at a time
   one_seed          one SamplingParams, torch.manual_seed before the call, log-probs as dicts
   one_seed_flat     the same with flat_logprobs=True: what `bridge.engines.vllm.VLLMEngine.generate` asks now
+                    (its `sampling_params`)
   no_logprobs       one seed, no log-probs: the floor for sampling alone
 Prompts are random token ids of the data's length; responses run to --tokens (no EOS: ignore_eos), so every way
 generates the same number of tokens. Each repeat: wall and CPU time of the call, tokens/s. Ledger `vllm_sampling`.
@@ -30,19 +31,25 @@ sys.path.insert(0, str(ROOT))
 WAYS = ("seed_per_request", "one_seed", "one_seed_flat", "no_logprobs")
 
 
-def params_for(way: str, prompts: int, n: int, tokens: int, seed: int):
-    """The SamplingParams of one call (a list: one per prompt) and whether to seed the default generator."""
-    from vllm import SamplingParams
+def params_for(engine, way: str, prompts: int, n: int, tokens: int, seed: int):
+    """The SamplingParams of one call (a list: one per prompt) and whether to seed the default generator;
+    `one_seed_flat` and `no_logprobs` are the engine's own (`VLLMEngine.sampling_params`)."""
+    from jaxppo.rollout import Sampling
 
-    base = dict(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=tokens, ignore_eos=True, detokenize=False)
-    if way == "seed_per_request":
-        return [SamplingParams(**base, logprobs=0, seed=seed * 1_000_003 + i) for i in range(prompts)], False
+    def changed(params, **kw):  # a copy with attributes set (SamplingParams is a msgspec struct, not a dataclass)
+        params = params.clone()
+        for k, v in kw.items():
+            setattr(params, k, v)
+        return params
+
+    ours = engine.sampling_params(Sampling(n=n, temperature=1.0, max_tokens=tokens, logprobs=way != "no_logprobs"))
+    if way in ("one_seed_flat", "no_logprobs"):
+        return [ours] * prompts, True
+    dicts = changed(ours, flat_logprobs=False)  # log-probs as a dict and a Logprob object a token
     if way == "one_seed":
-        return [SamplingParams(**base, logprobs=0)] * prompts, True
-    if way == "one_seed_flat":
-        return [SamplingParams(**base, logprobs=0, flat_logprobs=True)] * prompts, True
-    if way == "no_logprobs":
-        return [SamplingParams(**base)] * prompts, True
+        return [dicts] * prompts, True
+    if way == "seed_per_request":
+        return [changed(dicts, seed=seed * 1_000_003 + i) for i in range(prompts)], False
     raise ValueError(f"--ways: unknown way {way!r}; known: {', '.join(WAYS)}")
 
 
@@ -60,7 +67,7 @@ def measure(engine, vocab: int, ways: list[str], prompts: int, n: int, tokens: i
     def call(way: str, seed: int) -> dict[str, float]:
         batch = [TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_len).tolist())
                  for _ in range(prompts)]
-        params, seed_default = params_for(way, prompts, n, tokens, seed)
+        params, seed_default = params_for(engine, way, prompts, n, tokens, seed)
         if seed_default:
             torch.manual_seed(seed)
         t, c = time.perf_counter(), time.process_time()

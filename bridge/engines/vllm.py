@@ -183,23 +183,28 @@ class VLLMEngine:
             else:
                 self._worker().model_runner.reload_weights(weights_iterator=tensors)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
+    def sampling_params(self, sampling: Sampling):
+        """The one vLLM SamplingParams of a call: no seed of its own (the call seeds the device's default generator:
+        a request with a seed gets a generator of its own, and vLLM's sampler draws for those one request at a time,
+        a Python loop over the batch at every decode step; v1/sample/ops/topk_topp_sampler.py, random_sample), and
+        log-probs flat (a few lists a sequence, not a Logprob object a token)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        stop = list(dict.fromkeys(list(self.eos_token_ids) + list(sampling.stop_token_ids)))
         greedy = sampling.temperature == 0
-        # one seed for the whole call, on the device's default generator (the engine core runs in this process): a
-        # request with a seed of its own gets a generator of its own, and vLLM's sampler draws for those one
-        # request at a time, a Python loop over the batch at every decode step (v1/sample/ops/topk_topp_sampler.py,
-        # random_sample). The same prompts, weights and seed give the same samples, as before.
-        if sampling.seed is not None and not greedy:
-            torch.manual_seed(sampling.seed)
-        params = SamplingParams(
+        return SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_tokens,
             logprobs=0 if sampling.logprobs else None, flat_logprobs=True,
-            stop_token_ids=stop, ignore_eos=not self.eos_token_ids, detokenize=False)
+            stop_token_ids=list(dict.fromkeys(list(self.eos_token_ids) + list(sampling.stop_token_ids))),
+            ignore_eos=not self.eos_token_ids, detokenize=False)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
+        from vllm.inputs import TokensPrompt
+
+        # the same prompts, weights and seed give the same samples (the engine core runs in this process)
+        if sampling.seed is not None and sampling.temperature != 0:
+            torch.manual_seed(sampling.seed)
+        params = self.sampling_params(sampling)
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         samples = []
