@@ -5,8 +5,11 @@ signals, profiling, health decisions and early stopping. The step itself (rollou
 from __future__ import annotations
 
 import contextlib
+import cProfile
+import io
 import gc
 import logging
+import pstats
 import signal
 import sys
 import threading
@@ -357,7 +360,8 @@ class PPOTrainer:
     def _maybe_profile(self, step: int):
         """A profiler trace of step `step` when it is in trainer.profile_steps: JAX's (TensorBoard / Perfetto) and
         torch's (the rollout engine; on a GPU every kernel of the process) as trainer.profile_tools names, torch's
-        only when torch is loaded, both with the same region names."""
+        only when torch is loaded, both with the same region names; `python`: cProfile of the step's thread
+        (the host's side: which functions, the engine's among them, the time went to)."""
         t = self.cfg.trainer
         if step not in t.profile_steps:
             yield
@@ -372,6 +376,7 @@ class PPOTrainer:
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             torch_prof = torch.profiler.profile(activities=acts)
+        py_prof = cProfile.Profile() if "python" in t.profile_tools else None
         self._profiling = True
         try:
             with contextlib.ExitStack() as stack:
@@ -382,11 +387,16 @@ class PPOTrainer:
                                                            profiler_options=opts))
                 if torch_prof is not None:
                     stack.enter_context(torch_prof)
+                if py_prof is not None:  # innermost: the other profilers' own start and stop are not in it
+                    py_prof.enable()
+                    stack.callback(py_prof.disable)
                 yield
         finally:
             self._profiling = False
             if torch_prof is not None:
                 torch_prof.export_chrome_trace(str(out / "torch_trace.json"))
+            if py_prof is not None:
+                write_python_profile(py_prof, out)
             log.info("profile of step %d written to %s (tensorboard --logdir %s, or the *.trace.json.gz / "
                      "torch_trace.json in https://ui.perfetto.dev; scripts/trace_summary.py %s)", step, out, out, out)
 
@@ -488,6 +498,17 @@ class PPOTrainer:
         if (t.save_freq > 0 and self.step % t.save_freq == 0) or done or self.stop_reason:
             self.save_checkpoint()
         return metrics
+
+
+def write_python_profile(prof: cProfile.Profile, out: Path, top: int = 40) -> None:
+    """cProfile's record of a step: `python_profile.pstats` (python -m pstats, snakeviz) and
+    `python_profile.txt`, the `top` functions by their own time and by their time in all."""
+    prof.dump_stats(str(out / "python_profile.pstats"))
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        text.write(f"== by {key}\n")
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(top)
+    (out / "python_profile.txt").write_text(text.getvalue())
 
 
 __all__ = ["PPOTrainer"]

@@ -13,6 +13,10 @@ Ways (`--ways`, comma list):
   no_logprobs       one seed, no log-probs: the floor for sampling alone
 Prompts are random token ids of the data's length; responses run to --tokens (no EOS: ignore_eos), so every way
 generates the same number of tokens. Each repeat: wall and CPU time of the call, tokens/s. Ledger `vllm_sampling`.
+
+`--profile-way WAY[,WAY]` then runs one more call of each way named under cProfile (the host's side of a generation: which of
+vLLM's functions the time goes to, per decode step) and prints the functions that took the most time of their own
+and in all; `--json-out` keeps them. The profiler slows Python down, so that call is not one of the timed ones.
 """
 
 from __future__ import annotations
@@ -90,6 +94,41 @@ def measure(engine, vocab: int, ways: list[str], prompts: int, n: int, tokens: i
                 "tokens_per_s_all": [x["tokens_per_s"] for x in runs[w]]} for w in ways}
 
 
+def profile_call(engine, vocab: int, way: str, prompts: int, n: int, tokens: int, prompt_len: int,
+                 top: int = 30) -> dict:
+    """One call of `way` under cProfile: its wall time under the profiler, the number of engine steps (calls of
+    the engine core's `step`) and the `top` functions by own time and by cumulative time, each
+    [function, calls, own s, cumulative s]."""
+    import cProfile
+    import pstats
+
+    import numpy as np
+    import torch
+    from vllm.inputs import TokensPrompt
+
+    rng = np.random.default_rng(1)
+    batch = [TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_len).tolist()) for _ in range(prompts)]
+    params, seed_default = params_for(engine, way, prompts, n, tokens, seed=1)
+    if seed_default:
+        torch.manual_seed(1)
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.runcall(engine.llm.generate, batch, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+
+    def name(key) -> str:
+        file, line, fn = key
+        return f"{'/'.join(Path(file).parts[-3:])}:{line}({fn})" if line else fn
+
+    rows = [[name(k), v[1], round(v[2], 4), round(v[3], 4)] for k, v in stats.items()]
+    steps = sum(v[1] for k, v in stats.items()
+                if k[2] in ("step", "step_with_batch_queue") and k[0].replace("\\", "/").endswith("v1/engine/core.py"))
+    return {"way": way, "wall_s_profiled": wall, "engine_steps": steps,
+            "by_own_time": sorted(rows, key=lambda r: -r[2])[:top],
+            "by_cumulative_time": sorted(rows, key=lambda r: -r[3])[:top]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", required=True)
@@ -99,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=80)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--ways", default=",".join(WAYS))
+    p.add_argument("--profile-way", default="",
+                   help="comma list of ways: then one call of each under cProfile (not timed with the others)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     p.add_argument("--workdir", default="/tmp/jaxppo_bench_vllm_sampling")
@@ -106,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ledger", default=None, help="ledger file (default: the repo's)")
     p.add_argument("--no-ledger", action="store_true")
     args = p.parse_args(argv)
-    ways = args.ways.split(",")
-    for w in ways:
-        if w not in WAYS:
-            p.error(f"--ways: unknown way {w!r}; known: {', '.join(WAYS)}")
+    ways, profiled = args.ways.split(","), [w for w in args.profile_way.split(",") if w]
+    for flag, chosen in (("--ways", ways), ("--profile-way", profiled)):
+        for w in chosen:
+            if w not in WAYS:
+                p.error(f"{flag}: unknown way {w!r}; known: {', '.join(WAYS)}")
     # JAX is imported (bridge's weight types) but never used here: it must not take the card vLLM is given
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import torch
@@ -129,11 +171,22 @@ def main(argv: list[str] | None = None) -> int:
           f"({'GPU' if gpu else 'CPU'})")
     for w, f in figures.items():
         print(f"  {w:<18} {f['tokens_per_s']:10.0f} tokens/s  wall {f['wall_s']:.3f} s  cpu {f['cpu_s']:.3f} s")
+    extra = {"profiles": []}
+    for way in profiled:
+        prof = profile_call(engine, SHAPES[args.shape].vocab_size, way, args.prompts, args.n, args.tokens,
+                            args.prompt_len)
+        print(f"cProfile of one {way} call: {prof['wall_s_profiled']:.3f} s under the profiler, "
+              f"{prof['engine_steps']} engine steps")
+        for key, col in (("by_own_time", 2), ("by_cumulative_time", 3)):
+            print(f"  {key.replace('_', ' ')} (s):")
+            for r in prof[key]:
+                print(f"    {r[col]:9.3f}  {r[1]:8d} calls  {r[0]}")
+        extra["profiles"].append(prof)
     row = ledger.make_row("vllm_sampling", figures, shape=args.shape, prompts=args.prompts, n=args.n,
                           tokens=args.tokens, prompt_len=args.prompt_len, samples={"repeats": args.repeats},
                           command=None if argv is None else " ".join(["python scripts/bench_vllm_sampling.py", *argv]))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(row, indent=2))
+        Path(args.json_out).write_text(json.dumps({**row, **extra}, indent=2))
     if not args.no_ledger:
         ledger.append(row, args.ledger)
     return 0

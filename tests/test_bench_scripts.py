@@ -51,6 +51,9 @@ def test_bench_ppo_step_on_a_committed_config(tmp_path):
     assert len(summary["gen_standalone_repeats"]) == len(summary["gen_in_loop_steps"]) == summary["samples"]
     assert all(r["perf/cpu_s/gen"] > 0 and r["gen_tokens"] > 0 for r in summary["gen_standalone_repeats"])
     assert all(r["perf/cpu_s/gen"] > 0 for r in summary["gen_in_loop_steps"])
+    # and as often again kept awake (no sleep / wake / push between repeats)
+    assert len(summary["gen_standalone_awake_repeats"]) == summary["samples"]
+    assert summary["gen_standalone_awake_tokens_per_s"] > 0
     held = summary["memory_held_gb"]  # measured per component, beside the plan's
     assert held.keys() == {"actor (trained params + AdamW)", "critic (trained params + AdamW)", "reference"}
     assert held["actor (trained params + AdamW)"] == pytest.approx(
@@ -108,7 +111,10 @@ def test_bench_vllm_sampling_refuses_an_unknown_way_before_starting_an_engine(ca
 
     with pytest.raises(SystemExit) as e:
         bench_vllm_sampling.main(["--shape", "tiny", "--ways", "one_seed,fast"])
-    assert e.value.code == 2 and "unknown way 'fast'" in capsys.readouterr().err
+    assert e.value.code == 2 and "--ways: unknown way 'fast'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_vllm_sampling.main(["--shape", "tiny", "--profile-way", "no_logprobs,slow"])
+    assert e.value.code == 2 and "--profile-way: unknown way 'slow'" in capsys.readouterr().err
 
 
 def test_bench_sync_runs_on_a_gpu_and_refuses_clearly_elsewhere():

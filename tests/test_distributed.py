@@ -50,10 +50,12 @@ FSDP_ONCE = ["mesh.data=1", "mesh.fsdp=2", "mesh.fsdp_gather=update"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["padded", "packed", "fsdp_update"])
+# the data split across processes, packed (the committed configs' layout) against one process padded; fsdp across
+# the processes, padded (a third case, padded data-parallel, ran 50 s of CI for what these two cover)
+@pytest.mark.parametrize("layout", ["packed", "fsdp_update"])
 def test_two_processes_match_one(layout, one_process_run, tmp_path):
     one, two = one_process_run, tmp_path / "two"
-    args = SAME + ADAPTIVE + {"padded": [], "packed": PACKED, "fsdp_update": FSDP_ONCE}[layout]
+    args = SAME + ADAPTIVE + {"packed": PACKED, "fsdp_update": FSDP_ONCE}[layout]
     res = subprocess.run([sys.executable, "-m", "jaxppo.launch", "--nproc", "2", "--",
                           f"trainer.default_local_dir={two}", *args],
                          cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)

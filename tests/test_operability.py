@@ -94,14 +94,23 @@ def test_profile_of_one_step_has_every_phase(tmp_path):
 
 @pytest.mark.slow
 def test_profile_tools_picks_the_profilers(tmp_path):
-    """trainer.profile_tools=[torch]: torch's trace only (on a GPU CUPTI takes one subscriber: its record of every
-    kernel, XLA's too, is then torch's), with the step's regions."""
+    """trainer.profile_tools=[torch, python]: torch's trace (on a GPU CUPTI takes one subscriber: its record of every
+    kernel, XLA's too, is then torch's), with the step's regions, and cProfile's record of the step's host
+    functions, the engine's generation and the updates among them; no JAX trace."""
+    import pstats
+
     tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "trainer.profile_steps=[1]",
-                      "trainer.profile_tools=[torch]", "trainer.logger=[jsonl]")
+                      "trainer.profile_tools=[torch,python]", "trainer.logger=[jsonl]")
     tr.fit()
     out = tmp_path / "run" / "profile" / "step_1"
     assert not list(out.rglob("*.trace.json.gz")) and not list(out.rglob("*.xplane.pb"))
     assert '"gen"' in (out / "torch_trace.json").read_text()
+    funcs = {fn for (_, _, fn) in pstats.Stats(str(out / "python_profile.pstats")).stats}
+    assert {"generate", "update"} <= funcs, sorted(funcs)[:50]
+    text = (out / "python_profile.txt").read_text()
+    assert "== by tottime" in text and "== by cumulative" in text and "generate" in text
+    # only the profiled step: the next one (none here) and the start are not in it
+    assert "fit" not in funcs
 
 
 @pytest.mark.slow

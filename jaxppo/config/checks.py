@@ -350,8 +350,8 @@ def _check_trainer(cfg: Config) -> None:
            "trainer.early_stop_patience needs validation: set trainer.test_freq > 0")
     _check(t.early_stop_patience >= 0, "trainer.early_stop_patience must be >= 0")
     _check(all(s >= 1 for s in t.profile_steps), "trainer.profile_steps are 1-based step numbers")
-    _check(bool(t.profile_tools) and set(t.profile_tools) <= {"jax", "torch"},
-           f"trainer.profile_tools: one or both of jax, torch; got {list(t.profile_tools)}")
+    _check(bool(t.profile_tools) and set(t.profile_tools) <= {"jax", "torch", "python"},
+           f"trainer.profile_tools: one or more of jax, torch, python; got {list(t.profile_tools)}")
     _check(not (t.async_rollout and cfg.algorithm.filter_groups.enable),
            "trainer.async_rollout with algorithm.filter_groups.enable: dynamic sampling's further generation rounds "
            "depend on the step's scores; use one or the other")

@@ -305,7 +305,7 @@ class TrainerConfig:
     profile_dir: str = ""  # where traces go ("" = <run dir>/profile)
     # the profilers of those steps: jax (XLA's programs, their phases) and / or torch (the rollout engine; on a GPU
     # its CUPTI trace has every kernel of the process, XLA's too). On a GPU, CUPTI takes one subscriber at a time:
-    # name one of them there to be sure of its kernels
+    # name one of them there to be sure of its kernels; python: cProfile of the step's thread (the host's functions)
     profile_tools: list[str] = field(default_factory=lambda: ["jax", "torch"])
     health: HealthConfig = field(default_factory=HealthConfig)  # healthy ranges and actions (jaxppo/health.py)
     max_bad_steps: int = 3  # consecutive steps with NaN/inf losses, gradients or rewards that end the run

@@ -63,13 +63,20 @@ def test_no_request_carries_a_generator_of_its_own(setup, monkeypatch):
 def test_bench_vllm_sampling_times_every_way_on_one_engine(setup):
     """scripts/bench_vllm_sampling.py's measurement on this engine: every way generates the batch's tokens (it
     checks the count) and is timed."""
-    from scripts.bench_vllm_sampling import WAYS, measure
+    from scripts.bench_vllm_sampling import WAYS, measure, profile_call
 
     engine, module, params, cfg = setup
     figures = measure(engine, cfg.vocab_size, list(WAYS), prompts=8, n=2, tokens=4, prompt_len=8, repeats=1)
     assert set(figures) == set(WAYS)
     assert all(f["tokens_per_s"] > 0 and f["wall_s"] > 0 and len(f["tokens_per_s_all"]) == 1
                for f in figures.values())
+    # the host-side profile of one call: one engine step a token at least (prefill, then one a decode step),
+    # and the generate call itself among the functions with the most time in all
+    prof = profile_call(engine, cfg.vocab_size, "one_seed_flat", prompts=8, n=2, tokens=4, prompt_len=8, top=50)
+    assert prof["engine_steps"] >= 4
+    assert any("(generate)" in r[0] for r in prof["by_cumulative_time"])
+    own = [r[2] for r in prof["by_own_time"]]
+    assert own == sorted(own, reverse=True) and own[0] > 0 and len(own) == 50
 
 
 def test_eos_stops_and_mask(setup):
