@@ -16,6 +16,8 @@ mode=${1:?start or wait}
 queue() {
   # name | command (run from the repo root): the step benchmarks (10 steps, ledger `ppo_step`), synchronous and
   # one step ahead; then one job per config check (3 steps, ledger `config_check`). JOBS picks and orders them.
+  # awake*: synchronous with vLLM kept awake between generations (rollout.free_cache_engine=false): JAX's region
+  # is preallocated at start and vLLM's share is the rest, so its sleep frees memory nothing else takes
   local B="$PY scripts/bench_ppo_step.py --ledger $Q/results.jsonl"
   # sampling05*: standalone vLLM, the ways of asking for samples side by side on one engine (a seed per request
   # against one seed for the call; log-probs as dicts, flat, none), then one call without log-probs (the loop's way
@@ -27,8 +29,10 @@ queue() {
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
+awake05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/awake05.json --workdir $Q/w/awake05 rollout.free_cache_engine=false
 sync15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15.json --workdir $Q/w/sync15
 async15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15.json --workdir $Q/w/async15 trainer.async_rollout=true
+awake15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/awake15.json --workdir $Q/w/awake15 rollout.free_cache_engine=false
 ppo7b_offload|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload.json --workdir $Q/w/ppo7b
 grpo7b|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b.json --workdir $Q/w/grpo7b
 lora7b|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b.json --workdir $Q/w/lora7b
