@@ -57,23 +57,30 @@ def params_for(engine, way: str, prompts: int, n: int, tokens: int, seed: int):
     raise ValueError(f"--ways: unknown way {way!r}; known: {', '.join(WAYS)}")
 
 
+def request(engine, way: str, rng, vocab: int, prompts: int, n: int, tokens: int, prompt_len: int, seed: int):
+    """One call's fresh random prompts (token ids of `prompt_len`, drawn from `rng`) and its SamplingParams, the
+    default generator seeded where the way asks for it."""
+    import torch
+    from vllm.inputs import TokensPrompt
+
+    batch = [TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_len).tolist()) for _ in range(prompts)]
+    params, seed_default = params_for(engine, way, prompts, n, tokens, seed)
+    if seed_default:
+        torch.manual_seed(seed)
+    return batch, params
+
+
 def measure(engine, vocab: int, ways: list[str], prompts: int, n: int, tokens: int, prompt_len: int,
             repeats: int) -> dict[str, dict]:
     """Per way: median tokens/s, wall and CPU seconds of a call, and every repeat's tokens/s. The ways alternate
     within each repeat after one warm-up call each; every call gets fresh random prompts."""
     import numpy as np
-    import torch
-    from vllm.inputs import TokensPrompt
 
     rng = np.random.default_rng(0)
     expected = prompts * n * tokens
 
     def call(way: str, seed: int) -> dict[str, float]:
-        batch = [TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_len).tolist())
-                 for _ in range(prompts)]
-        params, seed_default = params_for(engine, way, prompts, n, tokens, seed)
-        if seed_default:
-            torch.manual_seed(seed)
+        batch, params = request(engine, way, rng, vocab, prompts, n, tokens, prompt_len, seed)
         t, c = time.perf_counter(), time.process_time()
         outs = engine.llm.generate(batch, params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
@@ -103,14 +110,8 @@ def profile_call(engine, vocab: int, way: str, prompts: int, n: int, tokens: int
     import pstats
 
     import numpy as np
-    import torch
-    from vllm.inputs import TokensPrompt
 
-    rng = np.random.default_rng(1)
-    batch = [TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_len).tolist()) for _ in range(prompts)]
-    params, seed_default = params_for(engine, way, prompts, n, tokens, seed=1)
-    if seed_default:
-        torch.manual_seed(1)
+    batch, params = request(engine, way, np.random.default_rng(1), vocab, prompts, n, tokens, prompt_len, seed=1)
     prof = cProfile.Profile()
     t = time.perf_counter()
     prof.runcall(engine.llm.generate, batch, params, use_tqdm=False)
