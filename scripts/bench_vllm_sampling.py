@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of ways: then one call of each under cProfile (not timed with the others)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="vLLM's max_model_len (default: prompt length + tokens; the trainer's is max_prompt_length + "
+                        "max_response_length, 768 in the committed configs)")
     p.add_argument("--workdir", default="/tmp/jaxppo_bench_vllm_sampling")
     p.add_argument("--json-out", default=None)
     p.add_argument("--ledger", default=None, help="ledger file (default: the repo's)")
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = write_config_dir(args.shape, Path(args.workdir) / args.shape)
     engine = make_engine("vllm", model_dir=model_dir, dtype=args.dtype or ("bfloat16" if gpu else "float32"),
                          pad_token_id=0, eos_token_ids=(), gpu_memory_utilization=args.gpu_memory_utilization,
-                         max_model_len=args.prompt_len + args.tokens)
+                         max_model_len=args.max_model_len or args.prompt_len + args.tokens)
     figures = measure(engine, SHAPES[args.shape].vocab_size, ways, args.prompts, args.n, args.tokens,
                       args.prompt_len, args.repeats)
     print(f"{args.shape}: {args.prompts} prompts x {args.n} x {args.tokens} tokens, {args.repeats} repeats each "
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {r[col]:9.3f}  {r[1]:8d} calls  {r[0]}")
         extra["profiles"].append(prof)
     row = ledger.make_row("vllm_sampling", figures, shape=args.shape, prompts=args.prompts, n=args.n,
-                          tokens=args.tokens, prompt_len=args.prompt_len, samples={"repeats": args.repeats},
+                          tokens=args.tokens, prompt_len=args.prompt_len,
+                          max_model_len=args.max_model_len or args.prompt_len + args.tokens, samples={"repeats": args.repeats},
                           command=None if argv is None else " ".join(["python scripts/bench_vllm_sampling.py", *argv]))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({**row, **extra}, indent=2))

@@ -21,7 +21,8 @@ queue() {
   local B="$PY scripts/bench_ppo_step.py --ledger $Q/results.jsonl"
   # sampling05*: standalone vLLM, the ways of asking for samples side by side on one engine (a seed per request
   # against one seed for the call; log-probs as dicts, flat, none), then one call without log-probs (the loop's way
-  # on 7 steps of 8) and one with (every step under a rollout correction) under cProfile: vLLM's host functions by time
+  # on 7 steps of 8) and one with (every step under a rollout correction) under cProfile: vLLM's host functions by time;
+  # sampling05_mml: the two ways the trainer uses, with the trainer's max_model_len (768: max prompt + response)
   # the profiled runs (trainer.profile_tools=[torch]: CUPTI's record of every kernel, the engine's and XLA's, then
   # scripts/trace_summary.py: streams at once, the GPU's share of `gen`), traces kept on the machine, summaries back;
   # prof05_py: cProfile of a synchronous step's thread (trainer.profile_tools=[python]), its text summary back
@@ -41,6 +42,7 @@ prof05_async|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --
 prof05_sync|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_sync.json --workdir $Q/w/prof05_sync trainer.profile_steps=[5] trainer.profile_tools=[torch] trainer.profile_dir=$Q/w/prof_sync && $PY scripts/trace_summary.py $Q/w/prof_sync --top 25 --json-out $Q/prof05_sync_summary.json
 prof05_py|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_py.json --workdir $Q/w/prof05_py trainer.profile_steps=[5] trainer.profile_tools=[python] trainer.profile_dir=$Q/w/prof_py && cp $Q/w/prof_py/step_5/python_profile.txt $Q/prof05_py_profile.txt
 sampling05|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --profile-way no_logprobs,one_seed_flat --ledger $Q/results.jsonl --json-out $Q/sampling05.json --workdir $Q/w/sampling05
+sampling05_mml|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs,one_seed_flat --max-model-len 768 --ledger $Q/results.jsonl --json-out $Q/sampling05_mml.json --workdir $Q/w/sampling05_mml
 sampling05_n5|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 5 --tokens 256 --repeats 4 --profile-way no_logprobs --ledger $Q/results.jsonl --json-out $Q/sampling05_n5.json --workdir $Q/w/sampling05_n5
 EOF
   # one job per config check (scripts/check_configs.py's names): check_<name> (3 steps, the `config_check` row), and
