@@ -357,7 +357,7 @@ class PPOTrainer:
                 signal.signal(sig, h)
 
     @contextlib.contextmanager
-    def _maybe_profile(self, step: int):
+    def profiled(self, step: int):
         """A profiler trace of step `step` when it is in trainer.profile_steps: JAX's (TensorBoard / Perfetto) and
         torch's (the rollout engine; on a GPU every kernel of the process) as trainer.profile_tools names, torch's
         only when torch is loaded, both with the same region names; `python`: cProfile of the step's thread
@@ -448,7 +448,7 @@ class PPOTrainer:
                     logger.log(0, last)
                 while self.step < self.total_steps and not self._stop_requested():
                     try:
-                        with self._maybe_profile(self.step + 1):
+                        with self.profiled(self.step + 1):
                             metrics = self.train_step()
                     except _Abandoned:
                         break

@@ -198,7 +198,8 @@ def main(argv=None) -> int:
     dev = jax.local_devices()[0]
     steps = []
     for _ in range(args.steps):
-        m = trainer.train_step()
+        with trainer.profiled(trainer.step + 1):  # trainer.profile_steps, as the trainer's own loop does
+            m = trainer.train_step()
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             m["memory/device_used_gb"] = (total - free) / 2**30

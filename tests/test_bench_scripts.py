@@ -38,8 +38,12 @@ def test_bench_ppo_step_on_a_committed_config(tmp_path):
     out = tmp_path / "step.json"
     res = run_script("bench_ppo_step.py", "--config", "configs/gsm8k_qwen2.5_0.5b.yaml", "--shape", "tiny", "--steps",
                      "4", "--workdir", str(tmp_path / "w"), "--json-out", str(out), "--ledger", str(led),
-                     *TINY_STEP, f"rollout.engine={engine}")
+                     *TINY_STEP, f"rollout.engine={engine}", "trainer.profile_steps=[4]",
+                     "trainer.profile_tools=[python]", f"trainer.profile_dir={tmp_path / 'prof'}")
     assert "median of steps 3..4" in res.stdout and "ratio" in res.stdout
+    # trainer.profile_steps is honoured as in the trainer's loop: the profile of step 4 and of no other
+    assert [p.name for p in (tmp_path / "prof").iterdir()] == ["step_4"]
+    assert "train_step" in (tmp_path / "prof" / "step_4" / "python_profile.txt").read_text()
     summary = json.loads(out.read_text())["summary"]
     assert summary["samples"] == 2 and summary["median_steps_3_to_n"]["timing_s/step"] > 0
     assert summary["token_budgets"]["actor_update"] > 0  # packing is on in the committed config
