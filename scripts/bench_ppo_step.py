@@ -124,7 +124,7 @@ def median(xs):
     return float(np.median(xs)) if len(xs) else float("nan")
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--shape", required=True, help="architecture of the random model (scripts/shapes.py)")
@@ -135,69 +135,49 @@ def main(argv=None) -> int:
     p.add_argument("--no-ledger", action="store_true", help="do not record the result (smoke tests)")
     p.add_argument("--no-standalone", action="store_true", help="skip the standalone generation (start tests)")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv)
-    t_start = time.perf_counter()
-    start_log = VLLMStartLog()
+    return p.parse_args(argv)
 
-    from jaxppo.distributed import initialize_from_env
 
-    topo = initialize_from_env()  # several processes under jaxppo.launch / torchrun / SLURM
-    rank = topo.process_id if topo else 0
-    from jaxppo.config import load_config
-
-    # each process writes its own copy of the (deterministic) model config, tokenizer and data
-    work = Path(args.workdir) / (f"p{rank}" if topo else "")
-    cfg0 = load_config(args.config, args.overrides)
-    from jaxppo import memory
-
+def capture_logs(cfg0, start_log: VLLMStartLog) -> None:
+    """vLLM's start figures into `start_log`; the trainer's own log (the memory plan's table, every compile after
+    the start, with what differs) into this run's output."""
     if cfg0.rollout.engine == "vllm":
         import vllm.logger  # noqa: F401  (configures vLLM's logger, which our collector then joins)
     logging.getLogger("vllm").addHandler(start_log)
-    # the trainer's own log (the memory plan's table, compiles after the start) into this run's output
     ours = logging.StreamHandler()
     ours.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("jaxppo").addHandler(ours)
     logging.getLogger("jaxppo").setLevel(logging.INFO)
     logging.getLogger("jaxppo").propagate = False  # (a library may give the root logger a handler too)
-    logging.getLogger("jaxppo.plan").setLevel(logging.DEBUG)  # every compile after the start, with what differs
-    import jax
-    import numpy as np
+    logging.getLogger("jaxppo.plan").setLevel(logging.DEBUG)
 
+
+def bench_inputs(args, work: Path, n_prompts: int) -> list[str]:
+    """The random model of the shape, a tokenizer of its vocabulary and synthetic prompts for every step, written
+    under `work`; the overrides that point the config at them."""
     from jaxppo.data.synthetic import ArithmeticTask, write_dataset
-    from scripts import ledger
     from scripts.shapes import SHAPES, write_config_dir
 
     model_dir = write_config_dir(args.shape, work / args.shape)
     tok_dir = benchmark_tokenizer(work / "tokenizer", SHAPES[args.shape].vocab_size)
-    n_prompts = cfg0.data.train_batch_size
     train, _ = write_dataset(work / "data", ArithmeticTask(num_operands=8, max_digits=3, operators="+-*"),
                              train_size=n_prompts * (args.steps + 1), val_size=8)
-    overrides = list(args.overrides) + [
+    return list(args.overrides) + [
         f"model.path={model_dir}", "model.random_init=true", f"data.train_files=[{train}]", "data.val_files=[]",
         f"data.tokenizer={tok_dir}", f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
         "trainer.val_before_train=false", f"trainer.default_local_dir={work / 'run'}", "trainer.logger=[]",
         "trainer.resume_mode=disable"]
-    cfg = load_config(args.config, overrides)
-    plan = {}
-    if cfg.rollout.engine == "vllm":  # as `python -m jaxppo.train` does, before JAX starts on the GPU
-        if memory.plans_in_a_child(cfg):
-            rc, cfg = memory.plan_in_child(cfg, ["--config", args.config, *overrides])
-            if rc:
-                return rc
-        else:
-            memory.apply(cfg.rollout.gpu_memory_utilization)
-        plan = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
-    from jaxppo.train import make_engine_factory
-    from jaxppo.trainer import PPOTrainer
 
+
+def run_steps(trainer, cfg, n_prompts: int, steps: int, rank: int) -> list[dict[str, float]]:
+    """`steps` training steps, each one's metrics with the device's memory in use, JAX's peak and the tokens
+    generated (per process)."""
+    import jax
     import torch
 
-    t0 = time.perf_counter()
-    trainer = PPOTrainer(cfg, make_engine_factory(cfg))
-    setup_s = time.perf_counter() - t0
     dev = jax.local_devices()[0]
-    steps = []
-    for _ in range(args.steps):
+    out = []
+    for _ in range(steps):
         with trainer.profiled(trainer.step + 1):  # trainer.profile_steps, as the trainer's own loop does
             m = trainer.train_step()
         if torch.cuda.is_available():
@@ -205,17 +185,17 @@ def main(argv=None) -> int:
             m["memory/device_used_gb"] = (total - free) / 2**30
         m["memory/jax_peak_gb"] = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
         m["gen_tokens"] = float(m["response_length/mean"] * n_prompts * cfg.rollout.n / max(jax.process_count(), 1))
-        steps.append(m)
+        out.append(m)
         if rank == 0:
-            print(json.dumps({"step": len(steps), **{k: round(v, 4) for k, v in m.items() if k.startswith(("timing_s",
+            print(json.dumps({"step": len(out), **{k: round(v, 4) for k, v in m.items() if k.startswith(("timing_s",
                   "perf", "memory", "response_length/mean"))}}), flush=True)
-    engine = trainer.engine
-    start = {"setup_s": setup_s, "process_s": time.perf_counter() - t_start, "first_step_s": steps[0]["timing_s/step"],
-             "vllm_start_s": getattr(engine, "start_s", None),
-             "cudagraph_mode": engine.cudagraph_mode() if hasattr(engine, "cudagraph_mode") else "n/a",
-             **start_log.figures}
+    return out
 
-    keep = steps[2:] if len(steps) > 2 else steps
+
+def step_summary(args, trainer, cfg, steps, keep, plan, start, n_prompts: int) -> dict:
+    """Medians of steps 3..N, compiles, the memory plan against what the states hold, the start."""
+    import jax
+
     # a phase absent from a step did not run in it (one step ahead: the last step launches no next batch)
     med = {k: median([s.get(k, 0.0) for s in keep]) for k in sorted({k for s in keep for k in s})}
     compiles = [s["perf/compiles"] for s in steps]
@@ -239,76 +219,82 @@ def main(argv=None) -> int:
                "token_budgets": vars(trainer.ctx.budgets) if trainer.ctx.budgets else None}
     if trainer.plan.host:
         summary["offload"] = offload_traffic(trainer, cfg)
-    if not args.no_standalone:
-        # standalone generation as the loop generates, nothing else running: each repeat woken from sleep with
-        # the weights pushed (as every step), then new prompts of the same lengths (the prefix cache holds none
-        # of them, as in the loop; repeating one prompt set would skip its prefill)
-        from jaxppo import distributed as dist
-        from jaxppo.step import Timer, rollout_sampling
+    return summary
 
-        share = dist.share(n_prompts, "prompts")  # this process's share, as in the loop
-        num_rows = len(trainer.train_ds.input_ids)
-        prompt_sets = iter(range(1, 100))
 
-        def new_prompts() -> list[list[int]]:
-            k = next(prompt_sets)
-            return [trainer.train_ds.input_ids[(k * n_prompts + i) % num_rows].tolist()
-                    for i in np.arange(n_prompts)[share]]
+def standalone_generation(trainer, cfg, n_prompts: int, keep: list[dict]) -> dict:
+    """Standalone generation as the loop generates, nothing else running: each repeat woken from sleep with the
+    weights pushed (as every step), then new prompts of the same lengths (the prefix cache holds none of them, as
+    in the loop; repeating one prompt set would skip its prefill); the same kept awake; the loop's figures beside."""
+    import numpy as np
 
-        sampling = rollout_sampling(cfg, 1, step=1)  # the loop's on 7 steps of 8 (jaxppo/step.py)
-        engine.wake()
-        trainer.sync_weights()
-        engine.generate(new_prompts()[:8], sampling)
+    from jaxppo import distributed as dist
+    from jaxppo.step import Timer, rollout_sampling
 
-        def standalone(sampling, repeats: int, cycle: bool = True) -> list[dict[str, float]]:
-            """One record per repeat, as a step's: the generation's wall and CPU time, context switches, steal
-            time (Timer) and its token count. `cycle`: put to sleep, woken and given the weights before each
-            repeat, as in the loop; without it the engine stays awake with the weights it has"""
-            out = []
-            for _ in range(repeats):
-                prompts = new_prompts()
-                if cycle:
-                    engine.sleep()
-                    engine.wake()
-                    trainer.sync_weights()
-                timer = Timer()
-                with timer("gen"):
-                    ro = engine.generate(prompts, sampling)
-                rec = dict(timer.times)
-                rec["gen_tokens"] = float(ro.response_mask.sum())
-                out.append(rec)
-            return out
+    engine = trainer.engine
+    share = dist.share(n_prompts, "prompts")  # this process's share, as in the loop
+    num_rows = len(trainer.train_ds.input_ids)
+    prompt_sets = iter(range(1, 100))
 
-        def tps(records) -> list[float]:
-            return [r["gen_tokens"] / r["timing_s/gen"] for r in records]
+    def new_prompts() -> list[list[int]]:
+        k = next(prompt_sets)
+        return [trainer.train_ds.input_ids[(k * n_prompts + i) % num_rows].tolist()
+                for i in np.arange(n_prompts)[share]]
 
-        # as many repeats as the loop has samples: generation time varies from one batch to the next by up to
-        # 1.5x in both (seen 2026-12-01), so a median of 3 against a median of 8 was noise
-        alone = standalone(sampling, len(keep))
-        # the loop's generation throughput per replica, comparable with this replica's standalone figure
-        in_loop, alone_tps = tps(keep), tps(alone)
-        summary.update(gen_in_loop_tokens_per_s=median(in_loop), gen_standalone_tokens_per_s=median(alone_tps),
-                       gen_in_loop_over_standalone=median(in_loop) / median(alone_tps),
-                       gen_in_loop_best_over_standalone_best=max(in_loop) / max(alone_tps),
-                       gen_standalone_repeats=alone,
-                       # the same keys as a standalone record: the Timer's for the gen phase, the token count
-                       gen_in_loop_steps=[{k: v for k, v in s.items() if k.endswith("/gen") or k == "gen_tokens"}
-                                          for s in keep])
-        # the same repeats without the sleep / wake / weight push before each: what the cycle costs generation
-        # (2026-12-03: the trainer's process generated at 29-32k tokens/s where a process of vLLM alone, same
-        # batch and machine, reached 47k)
-        awake = standalone(sampling, len(keep), cycle=False)
-        summary.update(gen_standalone_awake_tokens_per_s=median(tps(awake)), gen_standalone_awake_repeats=awake)
-        if not sampling.logprobs:  # what the engine's log-probs for every sample would cost
-            every = dataclasses.replace(sampling, logprobs=True)
-            summary["gen_standalone_all_logprobs_tokens_per_s"] = median(tps(standalone(every, 3)))
-    summary["device"] = ledger.device()
-    summary["versions"] = ledger.versions()
-    if rank != 0:
-        return 0
+    sampling = rollout_sampling(cfg, 1, step=1)  # the loop's on 7 steps of 8 (jaxppo/step.py)
+    engine.wake()
+    trainer.sync_weights()
+    engine.generate(new_prompts()[:8], sampling)
+
+    def standalone(sampling, repeats: int, cycle: bool = True) -> list[dict[str, float]]:
+        """One record per repeat, as a step's: the generation's wall and CPU time, context switches, steal
+        time (Timer) and its token count. `cycle`: put to sleep, woken and given the weights before each
+        repeat, as in the loop; without it the engine stays awake with the weights it has"""
+        out = []
+        for _ in range(repeats):
+            prompts = new_prompts()
+            if cycle:
+                engine.sleep()
+                engine.wake()
+                trainer.sync_weights()
+            timer = Timer()
+            with timer("gen"):
+                ro = engine.generate(prompts, sampling)
+            rec = dict(timer.times)
+            rec["gen_tokens"] = float(ro.response_mask.sum())
+            out.append(rec)
+        return out
+
+    def tps(records) -> list[float]:
+        return [r["gen_tokens"] / r["timing_s/gen"] for r in records]
+
+    # as many repeats as the loop has samples: generation time varies from one batch to the next by up to
+    # 1.5x in both (seen 2026-12-01), so a median of 3 against a median of 8 was noise
+    alone = standalone(sampling, len(keep))
+    # the loop's generation throughput per replica, comparable with this replica's standalone figure
+    in_loop, alone_tps = tps(keep), tps(alone)
+    out = dict(gen_in_loop_tokens_per_s=median(in_loop), gen_standalone_tokens_per_s=median(alone_tps),
+               gen_in_loop_over_standalone=median(in_loop) / median(alone_tps),
+               gen_in_loop_best_over_standalone_best=max(in_loop) / max(alone_tps),
+               gen_standalone_repeats=alone,
+               # the same keys as a standalone record: the Timer's for the gen phase, the token count
+               gen_in_loop_steps=[{k: v for k, v in s.items() if k.endswith("/gen") or k == "gen_tokens"}
+                                  for s in keep])
+    # the same repeats without the sleep / wake / weight push before each: what the cycle costs generation
+    # (nothing measurable at 4fb8804, 2026-12-03: docs/benchmarks.md, "Kept awake")
+    awake = standalone(sampling, len(keep), cycle=False)
+    out.update(gen_standalone_awake_tokens_per_s=median(tps(awake)), gen_standalone_awake_repeats=awake)
+    if not sampling.logprobs:  # what the engine's log-probs for every sample would cost
+        every = dataclasses.replace(sampling, logprobs=True)
+        out["gen_standalone_all_logprobs_tokens_per_s"] = median(tps(standalone(every, 3)))
+    return out
+
+
+def print_summary(summary: dict, n_prompts: int) -> None:
+    med, compiles = summary["median_steps_3_to_n"], summary["compiles_per_step"]
     print(json.dumps(summary), flush=True)
-    print(f"\n{args.shape}: {n_prompts} prompts x {cfg.rollout.n} x {cfg.data.max_response_length} tokens, "
-          f"median of steps 3..{args.steps}")
+    print(f"\n{summary['shape']}: {n_prompts} prompts x {summary['n']} x {summary['response_len']} tokens, "
+          f"median of steps 3..{summary['steps']}")
     for k in sorted(k for k in med if k.startswith("timing_s/")):
         print(f"  {k:28} {med[k]:8.3f}")
     for k in ("perf/throughput", "perf/mfu/actor", "perf/mfu/critic", "perf/gc_s", "perf/gc_full_collections",
@@ -319,7 +305,7 @@ def main(argv=None) -> int:
           f"(constant after step 3: {summary['compiles_constant_after_step3']})")
     print("  memory held by the states (GiB per device): " + ", ".join(
         f"{k} {v:.2f}" for k, v in summary["memory_held_gb"].items()))
-    print(f"  start: {json.dumps(start)}")
+    print(f"  start: {json.dumps(summary['start'])}")
     if "offload" in summary:
         print(f"  offload: {json.dumps(summary['offload'])}")
     if "gen_in_loop_over_standalone" in summary:
@@ -337,23 +323,81 @@ def main(argv=None) -> int:
                 f"{r['timing_s/gen']:.2f}/{r.get('perf/cpu_s/gen', float('nan')):.2f}/"
                 f"{r.get('perf/ctx_switches/gen', float('nan')):.0f}/{r.get('perf/steal_s/gen', float('nan')):.2f}"
                 for r in recs))
+
+
+def ledger_row(args, summary: dict) -> dict:
+    from scripts import ledger
+
+    med = summary["median_steps_3_to_n"]
+    figures = {"step_s": med["timing_s/step"], **{k: v for k, v in med.items() if k.startswith((
+               "timing_s/", "perf/mfu", "perf/throughput", "perf/gc", "memory/"))}}
+    for k in ("gen_in_loop_over_standalone", "gen_in_loop_best_over_standalone_best",
+              "gen_in_loop_tokens_per_s", "gen_standalone_tokens_per_s", "gen_standalone_awake_tokens_per_s",
+              "gen_standalone_all_logprobs_tokens_per_s", "compiles_constant_after_step3", "memory_estimate_gb"):
+        if k in summary:
+            figures[k] = summary[k]
+    figures.update({f"offload/{k}": v for k, v in summary.get("offload", {}).items()})
+    return ledger.make_row("ppo_step", figures, config=args.config, overrides=list(args.overrides),
+                           samples={"steps": summary["samples"], "standalone_generations": len(
+                               summary.get("gen_standalone_repeats", []))}, shape=args.shape, start=summary["start"],
+                           token_budgets=summary["token_budgets"], mesh=summary["mesh"],
+                           memory_held_gb=summary["memory_held_gb"], memory_plan_gb=summary["memory_plan_gb"])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    start_log = VLLMStartLog()
+
+    from jaxppo.distributed import initialize_from_env
+
+    topo = initialize_from_env()  # several processes under jaxppo.launch / torchrun / SLURM
+    rank = topo.process_id if topo else 0
+    from jaxppo import memory
+    from jaxppo.config import load_config
+
+    # each process writes its own copy of the (deterministic) model config, tokenizer and data
+    work = Path(args.workdir) / (f"p{rank}" if topo else "")
+    cfg0 = load_config(args.config, args.overrides)
+    capture_logs(cfg0, start_log)
+    n_prompts = cfg0.data.train_batch_size
+    overrides = bench_inputs(args, work, n_prompts)
+    cfg = load_config(args.config, overrides)
+    plan = {}
+    if cfg.rollout.engine == "vllm":  # as `python -m jaxppo.train` does, before JAX starts on the GPU
+        if memory.plans_in_a_child(cfg):
+            rc, cfg = memory.plan_in_child(cfg, ["--config", args.config, *overrides])
+            if rc:
+                return rc
+        else:
+            memory.apply(cfg.rollout.gpu_memory_utilization)
+        plan = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+    from jaxppo.train import make_engine_factory
+    from jaxppo.trainer import PPOTrainer
+    from scripts import ledger
+
+    t0 = time.perf_counter()
+    trainer = PPOTrainer(cfg, make_engine_factory(cfg))
+    setup_s = time.perf_counter() - t0
+    steps = run_steps(trainer, cfg, n_prompts, args.steps, rank)
+    engine = trainer.engine
+    start = {"setup_s": setup_s, "process_s": time.perf_counter() - t_start, "first_step_s": steps[0]["timing_s/step"],
+             "vllm_start_s": getattr(engine, "start_s", None),
+             "cudagraph_mode": engine.cudagraph_mode() if hasattr(engine, "cudagraph_mode") else "n/a",
+             **start_log.figures}
+    keep = steps[2:] if len(steps) > 2 else steps
+    summary = step_summary(args, trainer, cfg, steps, keep, plan, start, n_prompts)
+    if not args.no_standalone:
+        summary.update(standalone_generation(trainer, cfg, n_prompts, keep))
+    summary["device"] = ledger.device()
+    summary["versions"] = ledger.versions()
+    if rank != 0:
+        return 0
+    print_summary(summary, n_prompts)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"summary": summary, "steps": steps}, indent=2))
     if not args.no_ledger:
-        figures = {"step_s": med["timing_s/step"], **{k: v for k, v in med.items() if k.startswith(("timing_s/",
-                   "perf/mfu", "perf/throughput", "perf/gc", "memory/"))}}
-        for k in ("gen_in_loop_over_standalone", "gen_in_loop_best_over_standalone_best",
-                  "gen_in_loop_tokens_per_s", "gen_standalone_tokens_per_s", "gen_standalone_awake_tokens_per_s",
-                  "gen_standalone_all_logprobs_tokens_per_s", "compiles_constant_after_step3", "memory_estimate_gb"):
-            if k in summary:
-                figures[k] = summary[k]
-        figures.update({f"offload/{k}": v for k, v in summary.get("offload", {}).items()})
-        row = ledger.make_row("ppo_step", figures, config=args.config, overrides=list(args.overrides),
-                              samples={"steps": len(keep), "standalone_generations": len(
-                                  summary.get("gen_standalone_repeats", []))}, shape=args.shape, start=start,
-                              token_budgets=summary["token_budgets"], mesh=summary["mesh"],
-                              memory_held_gb=summary["memory_held_gb"], memory_plan_gb=summary["memory_plan_gb"])
-        print(f"ledger: {ledger.append(row, args.ledger)}")
+        print(f"ledger: {ledger.append(ledger_row(args, summary), args.ledger)}")
     return 0
 
 
