@@ -43,17 +43,19 @@ def test_mfu_is_measured_against_the_card_specification():
 
 
 def test_timer_separates_a_phase_that_computes_from_one_that_waits():
-    """The generation phase's CPU time tells a slow generation that did more work from one that waited; a
-    phase spinning in Python accrues about its wall time in CPU time, one blocked on an event almost none."""
+    """The generation phase's CPU time tells a slow generation that did more work from one that waited: a phase
+    that computes accrues the CPU time it used, one blocked on an event almost none of its wall time. (The busy
+    phase is bounded by CPU time, not wall time: on a loaded two-core CI machine a 0.3 s wall-clock spin got 0.15 s
+    of CPU, 2026-12-03.)"""
     import threading
     import time
 
     from jaxppo.step import Timer
 
     timer = Timer(cpu_phases=("busy", "idle"))
-    with timer("busy"):
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 0.3:
+    with timer("busy"):  # spins until the process has had 0.3 s of CPU, however busy the machine is
+        c0 = time.process_time()
+        while time.process_time() - c0 < 0.3:
             pass
     done = threading.Event()
     with timer("idle"):
@@ -62,7 +64,7 @@ def test_timer_separates_a_phase_that_computes_from_one_that_waits():
     with timer("other"):  # not asked: wall time only
         pass
     t = timer.times
-    assert t["perf/cpu_s/busy"] >= 0.5 * t["timing_s/busy"] and t["timing_s/busy"] >= 0.3
+    assert t["perf/cpu_s/busy"] >= 0.3 and t["timing_s/busy"] >= 0.3
     assert t["timing_s/idle"] >= 0.3 and t["perf/cpu_s/idle"] < 0.2 * t["timing_s/idle"]
     assert t["perf/ctx_switches/busy"] >= 0 and "perf/cpu_s/other" not in t
     assert set(t) >= {"timing_s/busy", "timing_s/idle", "timing_s/other"}
