@@ -168,9 +168,10 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = torch.cuda.is_available()
     model_dir = write_config_dir(args.shape, Path(args.workdir) / args.shape)
+    max_model_len = args.max_model_len or args.prompt_len + args.tokens
     engine = make_engine("vllm", model_dir=model_dir, dtype=args.dtype or ("bfloat16" if gpu else "float32"),
                          pad_token_id=0, eos_token_ids=(), gpu_memory_utilization=args.gpu_memory_utilization,
-                         max_model_len=args.max_model_len or args.prompt_len + args.tokens)
+                         max_model_len=max_model_len)
     figures = measure(engine, SHAPES[args.shape].vocab_size, ways, args.prompts, args.n, args.tokens,
                       args.prompt_len, args.repeats)
     print(f"{args.shape}: {args.prompts} prompts x {args.n} x {args.tokens} tokens, {args.repeats} repeats each "
@@ -189,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {r[col]:9.3f}  {r[1]:8d} calls  {r[0]}")
         extra["profiles"].append(prof)
     row = ledger.make_row("vllm_sampling", figures, shape=args.shape, prompts=args.prompts, n=args.n,
-                          tokens=args.tokens, prompt_len=args.prompt_len,
-                          max_model_len=args.max_model_len or args.prompt_len + args.tokens, samples={"repeats": args.repeats},
+                          tokens=args.tokens, prompt_len=args.prompt_len, max_model_len=max_model_len,
+                          samples={"repeats": args.repeats},
                           command=None if argv is None else " ".join(["python scripts/bench_vllm_sampling.py", *argv]))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({**row, **extra}, indent=2))
