@@ -2,7 +2,9 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM's lowest optimisation level for XLA's CPU code: a third less work for the suite (tests/train_helpers.py's
+# FAST_COMPILE says what was measured; the learning runs compile as a user's run does)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per in-process vLLM engine
@@ -50,7 +52,7 @@ def one_device(monkeypatch):
 # which ran the learning files, few tests and long, last: a fresh-clone run at 99689ac had one worker idle for its
 # last 290 s while the other ran them). The order is by each file's seconds in that run (tests 1764 s, 3190 s of
 # work on two workers); the files not named follow in their own order and fill in at the end.
-FIRST = ("test_learning.py", "test_distributed.py", "test_learning_policy_losses.py", "test_engine.py", "test_lora.py",
+FIRST = ("test_learning.py", "test_distributed.py", "test_learning_ahead.py", "test_engine.py", "test_lora.py",
          "test_recipes.py", "test_operability.py", "test_packing.py", "test_trainer_options.py", "test_train.py",
          "test_nothing_lost.py", "test_bench_scripts.py", "test_compare.py", "test_memory_plan.py",
          "test_compare_float64.py", "test_verl_cli.py", "test_parity.py")
@@ -59,3 +61,8 @@ FIRST = ("test_learning.py", "test_distributed.py", "test_learning_policy_losses
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+    if os.environ.get("JAXPPO_TEST_EXTENDED") != "1":
+        skip = pytest.mark.skip(reason="an extended learning run: JAXPPO_TEST_EXTENDED=1 runs it")
+        for item in items:
+            if "extended" in item.keywords:
+                item.add_marker(skip)

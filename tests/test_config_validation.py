@@ -3,15 +3,12 @@ size relation the engine would otherwise assert, and a run that cannot fit the c
 
 from __future__ import annotations
 
-import json
-import re
 import subprocess
 import sys
 
 import pytest
 
 from jaxppo.config import CLOSED_SETS, _registry_sets
-from jaxppo.errors import ConfigError
 from jaxppo.train import main
 from tests.train_helpers import ROOT, train_env
 

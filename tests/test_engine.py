@@ -16,6 +16,7 @@ from jaxppo.engine import ActorEngine, lr_schedule
 from jaxppo.models import load_model
 from jaxppo.sharding import make_mesh
 from tests.engine_case import R_LEN, make_batch, run_case
+from tests.train_helpers import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[1]
 # fp32 throughout; reductions run in a different order on each mesh, so results agree to rounding (~1e-6)
@@ -114,7 +115,7 @@ def test_two_processes_match_one(tiny_qwen, reference, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/multiprocess_worker.py"), str(tiny_qwen),
                                f"127.0.0.1:{port}", str(rank), str(tmp_path / f"out{rank}.pkl")], env=env,

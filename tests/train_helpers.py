@@ -31,22 +31,36 @@ ON_EMBEDDED_TASK = ["data.train_files=[]", "data.val_files=[]", "model.path=null
                     "trainer.save_freq=-1", "trainer.logger=[jsonl]"]
 
 
-def train_env(devices: int = 1, **extra: str) -> dict:
-    """The environment of a run in a subprocess: `devices` CPU devices (one, like a user's run)."""
+# The suite's programs are compiled by LLVM at its lowest optimisation level (tests/conftest.py sets it for the test
+# processes, train_env for the runs they start): XLA's CPU compiles are most of the suite's work, and at level 0
+# tests/test_engine.py took 379 s of CPU instead of 569 s (2-core AMD EPYC, 2026-12-03), same results. The learning
+# runs (`learns`, the warm start, the LoRA run) compile as a user's run does (`optimized=True`): their hundreds of
+# steps at the embedded default's scale run faster for it, and their thresholds were seen that way.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def train_env(devices: int = 1, optimized: bool = False, **extra: str) -> dict:
+    """The environment of a run in a subprocess: `devices` CPU devices (one, like a user's run); XLA's CPU code
+    compiled at LLVM's lowest level unless `optimized` (FAST_COMPILE)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
-    env.pop("XLA_FLAGS", None)
+    flags = [] if optimized else [FAST_COMPILE]
     if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env.pop("XLA_FLAGS", None)
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 
 def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 600,
-              extra_env: dict | None = None, config: str | Path | None = None) -> subprocess.CompletedProcess:
+              extra_env: dict | None = None, config: str | Path | None = None,
+              optimized: bool = False) -> subprocess.CompletedProcess:
     """`python -m jaxppo.train [--config config] trainer.default_local_dir=run_dir overrides...` in a subprocess."""
     head = ["--config", str(config)] if config is not None else []
     res = subprocess.run([sys.executable, "-m", "jaxppo.train", *head, f"trainer.default_local_dir={run_dir}",
                           *overrides],
-                         capture_output=True, text=True, timeout=timeout, env=train_env(**(extra_env or {})), cwd=ROOT)
+                         capture_output=True, text=True, timeout=timeout,
+                         env=train_env(optimized=optimized, **(extra_env or {})), cwd=ROOT)
     if check and res.returncode != 0:
         raise AssertionError(res.stdout[-3000:] + res.stderr[-5000:])
     return res
@@ -61,12 +75,12 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     return out
 
 
-def start_train(run_dir: Path, *overrides: str, **popen_kw) -> subprocess.Popen:
+def start_train(run_dir: Path, *overrides: str, optimized: bool = False, **popen_kw) -> subprocess.Popen:
     """`python -m jaxppo.train` started in the background (output discarded unless popen_kw says)."""
     popen_kw.setdefault("stdout", subprocess.DEVNULL)
     popen_kw.setdefault("stderr", subprocess.DEVNULL)
     return subprocess.Popen([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={run_dir}", *overrides],
-                            cwd=ROOT, env=train_env(), **popen_kw)
+                            cwd=ROOT, env=train_env(optimized=optimized), **popen_kw)
 
 
 def wait_until(ready, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
@@ -144,7 +158,7 @@ def seed_warm_start(run_dir: Path, cache_root: Path, *overrides: str, config: st
             shutil.rmtree(cache, ignore_errors=True)
             run_train(cache, *overrides, "trainer.total_training_steps=1", "trainer.val_before_train=false",
                       "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]", timeout=900,
-                      config=config)
+                      config=config, optimized=True)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     shutil.copytree(cache / "warm_model", Path(run_dir) / "warm_model")
 
@@ -164,7 +178,7 @@ def learns(tmp_path_factory, config: str, steps: int, *overrides: str) -> tuple[
     args = [f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=-1",
             "trainer.logger=[jsonl]", *overrides]
     seed_warm_start(run, shared_tmp(tmp_path_factory), *args, config=ROOT / "configs" / config)
-    run_train(run, *args, timeout=1200, config=ROOT / "configs" / config)
+    run_train(run, *args, timeout=1200, config=ROOT / "configs" / config, optimized=True)
     metrics = read_metrics(run)
     score = [metrics[s]["critic/score/mean"] for s in range(1, steps + 1)]
     return metrics[0]["val/score"], metrics[steps]["val/score"], sum(score[:10]) / 10, sum(score[-10:]) / 10
