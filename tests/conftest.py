@@ -9,9 +9,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per in-process vLLM engine
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.helpers import make_hf_checkpoint  # noqa: E402
+
+# the test processes' own compiles go to JAX's persistent cache too, the one the runs they start use (the trainer's
+# default, trainer.compilation_cache_dir): the many tests that compile the same programs in-process load them
+# (tests/test_compare*.py: 183 s of CPU instead of 231 s, 2026-12-03). Here only, not inherited by subprocesses.
+jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxppo/xla"))
 
 
 @pytest.fixture(scope="session")

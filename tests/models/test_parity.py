@@ -124,5 +124,7 @@ def test_load_into_mesh_shards_parameters(tiny_qwen, shape):
     assert np.prod(shard) < np.prod(q.shape), (shape, shard, q.shape)
     _, ref_params, _ = load_model(tiny_qwen)
     ids, mask, pos = left_padded_batch(np.random.default_rng(6), 8, 12, cfg.vocab_size)
+    # fp32 sums in another order: at LLVM's level 0 (tests/conftest.py) one logit of 9696 differed by 1.4e-5 under
+    # fsdp=8 (2026-12-03); a wrong shard would move logits by far more
     np.testing.assert_allclose(_jax_logits(module, params, ids, mask, pos),
-                               _jax_logits(module, ref_params, ids, mask, pos), atol=1e-5, rtol=1e-5)
+                               _jax_logits(module, ref_params, ids, mask, pos), atol=5e-5, rtol=5e-5)
