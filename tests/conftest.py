@@ -2,9 +2,11 @@
 
 import os
 
+from tests.train_helpers import FAST_COMPILE  # standard library only: nothing here has loaded jax yet
+
 # LLVM's lowest optimisation level for XLA's CPU code: a third less work for the suite (tests/train_helpers.py's
 # FAST_COMPILE says what was measured; the learning runs compile as a user's run does)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per in-process vLLM engine
@@ -12,12 +14,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per in-process vLLM 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxppo.config import TrainerConfig  # noqa: E402
 from tests.helpers import make_hf_checkpoint  # noqa: E402
 
 # the test processes' own compiles go to JAX's persistent cache too, the one the runs they start use (the trainer's
 # default, trainer.compilation_cache_dir): the many tests that compile the same programs in-process load them
 # (tests/test_compare*.py: 183 s of CPU instead of 231 s, 2026-12-03). Here only, not inherited by subprocesses.
-jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxppo/xla"))
+jax.config.update("jax_compilation_cache_dir", os.path.expanduser(TrainerConfig.compilation_cache_dir))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
 """Sharded engine: mesh invariance, micro-batch invariance, chunked log-probs, two real processes."""
 
-import os
 import pickle
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from jaxppo.engine import ActorEngine, lr_schedule
 from jaxppo.models import load_model
 from jaxppo.sharding import make_mesh
 from tests.engine_case import R_LEN, make_batch, run_case
-from tests.train_helpers import FAST_COMPILE
+from tests.train_helpers import train_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # fp32 throughout; reductions run in a different order on each mesh, so results agree to rounding (~1e-6)
@@ -115,8 +114,7 @@ def test_two_processes_match_one(tiny_qwen, reference, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT))
+    env = train_env(4, JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/multiprocess_worker.py"), str(tiny_qwen),
                                f"127.0.0.1:{port}", str(rank), str(tmp_path / f"out{rank}.pkl")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
