@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from scripts import ledger
-from tests.train_helpers import ROOT, train_env
+from tests.train_helpers import ROOT, run_python
 
 
 def run_script(name: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
-                         timeout=timeout, env=train_env(), cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res
+    """`python scripts/<name> args...` in a process of its own (tests/train_helpers.py run_python); exit 0."""
+    return run_python(str(ROOT / "scripts" / name), *args, timeout=timeout)
 
 
 # a committed GSM8K config shrunk to a CPU run: the same packing, remat, unroll and kept-logits settings
@@ -127,8 +124,7 @@ def test_bench_sync_runs_on_a_gpu_and_refuses_clearly_elsewhere():
     if not torch.cuda.is_available():
         # its CPU-testable parts, the direct push and the Triton cast-copy, are tests/bridge/test_push.py and
         # test_cast_copy.py
-        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_sync.py"), "--reps", "1"],
-                             capture_output=True, text=True, timeout=300, env=train_env(), cwd=ROOT)
+        res = run_python(str(ROOT / "scripts" / "bench_sync.py"), "--reps", "1", timeout=300, check=False)
         assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr, res.stderr
         return
     res = run_script("bench_sync.py", "--model", "qwen2.5-0.5b", "--reps", "1", "--prompts", "8", "--gen-len", "8",

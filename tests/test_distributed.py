@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jaxppo.distributed import topology_from_env
-from tests.train_helpers import FAST, ROOT, logged_step, read_metrics, train_env, wait_until
+from tests.train_helpers import FAST, ROOT, logged_step, read_metrics, run_python, train_env, wait_until
 
 # greedy rollouts (the transformers engine samples with one torch RNG per process, so sampled rollouts
 # differ with the process count), no shuffling: the same sequences in the same mini-batches either way
@@ -39,9 +39,7 @@ PACKED = ["actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true", "actor.pp
 def one_process_run(tmp_path_factory):
     """The reference: one process, two devices, padded (packed == padded is tests/test_packing.py's)."""
     one = tmp_path_factory.mktemp("one")
-    res = subprocess.run([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={one}", *SAME, *ADAPTIVE],
-                         cwd=ROOT, env=_env(2), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    run_python("-m", "jaxppo.train", f"trainer.default_local_dir={one}", *SAME, *ADAPTIVE, env=_env(2))
     return one
 
 
@@ -129,10 +127,8 @@ def test_each_torchrun_or_slurm_rank_gets_its_own_gpu_first():
 
 def test_mesh_sweep_prints_one_row_per_mesh(tmp_path):
     out = tmp_path / "sweep.json"
-    res = subprocess.run([sys.executable, "scripts/mesh_sweep.py", "--model", "tiny", "--meshes",
-                          "single;fsdp=2,gather=update", "--batch", "4", "--seq", "16", "--steps", "1",
-                          "--json-out", str(out)], cwd=ROOT, env=_env(2), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_python("scripts/mesh_sweep.py", "--model", "tiny", "--meshes", "single;fsdp=2,gather=update", "--batch",
+                     "4", "--seq", "16", "--steps", "1", "--json-out", str(out), env=_env(2))
     import json
 
     rows = json.loads(out.read_text())

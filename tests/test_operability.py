@@ -232,7 +232,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path, ahea
     straight = tmp_path / "straight"
     run_train(straight, *common)
     run = tmp_path / "stopped"
-    proc = start_train(run, *common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_train(run, *common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wait_until(lambda: logged_step(run, 2), proc, "step 2")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
@@ -258,7 +258,7 @@ def test_sigint_stops_with_a_checkpoint_and_the_same_command_resumes(tmp_path):
     common = [*FAST, "trainer.total_training_steps=4", "trainer.save_freq=-1", "trainer.test_freq=-1",
               "trainer.sft_warmup_steps=0"]
     run = tmp_path / "run"
-    proc = start_train(run, *common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_train(run, *common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wait_until(lambda: logged_step(run, 1), proc, "step 1")
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=300)

@@ -55,15 +55,18 @@ def train_env(devices: int = 1, optimized: bool = False, **extra: str) -> dict:
 def run_train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 600,
               extra_env: dict | None = None, config: str | Path | None = None,
               optimized: bool = False) -> subprocess.CompletedProcess:
-    """`python -m jaxppo.train [--config config] trainer.default_local_dir=run_dir overrides...` in a subprocess."""
+    """`python -m jaxppo.train [--config config] trainer.default_local_dir=run_dir overrides...` in a process of its
+    own (`run_python`)."""
     head = ["--config", str(config)] if config is not None else []
-    res = subprocess.run([sys.executable, "-m", "jaxppo.train", *head, f"trainer.default_local_dir={run_dir}",
-                          *overrides],
-                         capture_output=True, text=True, timeout=timeout,
-                         env=train_env(optimized=optimized, **(extra_env or {})), cwd=ROOT)
-    if check and res.returncode != 0:
-        raise AssertionError(res.stdout[-3000:] + res.stderr[-5000:])
-    return res
+    return run_python("-m", "jaxppo.train", *head, f"trainer.default_local_dir={run_dir}", *overrides, check=check,
+                      timeout=timeout, env=train_env(optimized=optimized, **(extra_env or {})))
+
+
+def start_train(run_dir: Path, *overrides: str, optimized: bool = False, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL) -> ForkedRun | subprocess.Popen:
+    """`python -m jaxppo.train` started in the background (`start_python`)."""
+    return start_python("-m", "jaxppo.train", f"trainer.default_local_dir={run_dir}", *overrides,
+                        env=train_env(optimized=optimized), stdout=stdout, stderr=stderr)
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:
@@ -75,12 +78,156 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     return out
 
 
-def start_train(run_dir: Path, *overrides: str, optimized: bool = False, **popen_kw) -> subprocess.Popen:
-    """`python -m jaxppo.train` started in the background (output discarded unless popen_kw says)."""
-    popen_kw.setdefault("stdout", subprocess.DEVNULL)
-    popen_kw.setdefault("stderr", subprocess.DEVNULL)
-    return subprocess.Popen([sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={run_dir}", *overrides],
-                            cwd=ROOT, env=train_env(optimized=optimized), **popen_kw)
+# ------------------------------------------------------------------ processes forked from one that has the imports
+
+# A run of `python -m jaxppo.train` spends ~9 s of CPU importing jax, torch, transformers and jaxppo before it does
+# anything (-X importtime, 2-core AMD EPYC, 2026-12-04), and the suite starts over a hundred runs and scripts. Each
+# pytest-xdist worker keeps one fork server (multiprocessing's forkserver) that has imported them
+# (tests/train_preload.py); `python -m jaxppo.train ...` or `python scripts/x.py ...` is then a child forked from it:
+# a process of its own (pid, signals, exit code, environment, working directory) that runs the module or script as
+# __main__ with runpy, as the interpreter would, from the interpreter's state minus the imports. JAX's backend,
+# torch's threads and logging's set-up start in the child, from its own environment. JAXPPO_TEST_FORK=0 starts
+# fresh interpreters instead (subprocess.Popen). The README's commands and the multi-process tests (jaxppo.launch)
+# always run fresh interpreters.
+
+_FORKSERVER = None
+
+
+def _forkserver():
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+
+        _FORKSERVER = multiprocessing.get_context("forkserver")
+        _FORKSERVER.set_forkserver_preload(["tests.train_preload"])
+    return _FORKSERVER
+
+
+def run_python(*args: str, env: dict | None = None, timeout: float = 600,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """`python *args` (`-m module ...` or `script.py ...`) from the repository root, its output captured, in a
+    process of its own (`start_python`). `check`: a non-zero exit fails the test with the output."""
+    proc = start_python(*args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    res = subprocess.CompletedProcess([sys.executable, *args], proc.returncode, out, err)
+    if check and res.returncode != 0:
+        raise AssertionError(res.stdout[-3000:] + res.stderr[-5000:])
+    return res
+
+
+def start_python(*args: str, env: dict | None = None, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL) -> ForkedRun | subprocess.Popen:
+    """`python *args` from the repository root, started in the background: a `ForkedRun` (a child of the test
+    worker's fork server), or with JAXPPO_TEST_FORK=0 a fresh interpreter (subprocess.Popen). `env`: the process's
+    whole environment (`train_env()` unless given). Output discarded unless `stdout` / `stderr` is
+    subprocess.PIPE (`stderr=subprocess.STDOUT` joins the two), read as text by `communicate()`."""
+    env = train_env() if env is None else env
+    if os.environ.get("JAXPPO_TEST_FORK", "1") == "0":
+        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True)
+    return ForkedRun(list(args), env, stdout, stderr)
+
+
+def _forked(args: list[str], env: dict, out: str | None, err: str | None) -> None:
+    """The child: `python *args` from the repository root (runpy runs the module or script as __main__). Exits
+    with SystemExit's code, or 1 with the traceback on stderr for an uncaught exception, after the interpreter's
+    own exit steps (non-daemon threads joined, atexit handlers run)."""
+    import atexit
+    import logging
+    import runpy
+    import threading
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    for fd, path in ((1, out), (2, err)):
+        if path is not None:
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            os.dup2(target, fd)
+            os.close(target)
+    # a fresh interpreter's logging: the preloaded imports' own set-up (absl's basicConfig when orbax imports)
+    # would otherwise win over the program's basicConfig
+    for handler in list(logging.root.handlers):
+        logging.root.removeHandler(handler)
+    logging.root.setLevel(logging.WARNING)
+    code = 0
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]  # runpy puts the module's file in argv[0]
+            sys.path.insert(0, str(ROOT))
+            sys.modules.pop(args[1], None)  # the module runs afresh as __main__, as under `python -m`
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path.insert(0, str(Path(args[0]).resolve().parent))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) or e.code is None else (print(e.code, file=sys.stderr) or 1)
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+class ForkedRun:
+    """A process forked by `_forked`, with the part of subprocess.Popen's interface the tests use."""
+
+    def __init__(self, args: list[str], env: dict, stdout, stderr):
+        import tempfile
+
+        streams = (subprocess.PIPE, subprocess.DEVNULL, None)
+        if stdout not in streams or stderr not in (*streams, subprocess.STDOUT):
+            raise ValueError(f"unsupported streams {stdout!r}, {stderr!r}")
+        self._dir = tempfile.mkdtemp(prefix="jaxppo-proc-")
+        self._out = os.path.join(self._dir, "stdout") if stdout == subprocess.PIPE else None
+        self._err = (self._out if stderr == subprocess.STDOUT else
+                     os.path.join(self._dir, "stderr") if stderr == subprocess.PIPE else None)
+        sinks = [path or (os.devnull if stream == subprocess.DEVNULL else None)
+                 for path, stream in ((self._out, stdout), (self._err, stderr))]
+        self.args = [sys.executable, *args]
+        self._proc = _forkserver().Process(target=_forked, args=(args, env, *sinks))
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self._proc.join()
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        import shutil
+
+        self.wait(timeout)
+        read = lambda path: None if path is None else Path(path).read_text(errors="replace")  # noqa: E731
+        out, err = read(self._out), None if self._err == self._out else read(self._err)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return out, err
 
 
 def wait_until(ready, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:

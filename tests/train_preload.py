@@ -1,0 +1,16 @@
+"""Imported once by the test workers' fork server (tests/train_helpers.py `_forked`): the modules a run of
+`python -m jaxppo.train` imports, so that each run the tests start forks from a process that has them. Nothing here
+starts JAX's backend, torch's thread pools or a rollout engine: a forked run sets its own environment (XLA_FLAGS,
+devices) before any of that happens, as a fresh process would."""
+
+import bridge.engines  # noqa: F401
+import bridge.engines.hf  # noqa: F401
+import jaxppo.start  # noqa: F401
+import jaxppo.train  # noqa: F401
+import jaxppo.trainer  # noqa: F401
+import jaxppo.validation  # noqa: F401
+import jaxppo.warmstart  # noqa: F401
+import transformers.models.llama.modeling_llama  # noqa: F401
+import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
