@@ -76,7 +76,6 @@ RECIPES = {"ppo": VERL_PPO, "grpo": VERL_GRPO, "dapo": VERL_DAPO, "drgrpo": VERL
 # the only changes: the paths (the embedded default's task and model), the engine, the logger and the scale
 LOCAL = [*ON_EMBEDDED_TASK, "model.critic_path=null", "data.truncation=filter", "actor.ppo_micro_batch_size_per_device=4",
          "actor.log_prob_micro_batch_size_per_device=8", "critic.log_prob_micro_batch_size_per_device=8",
-         "actor.ppo_max_token_len_per_device=0", "actor.log_prob_max_token_len_per_device=0",
          "rollout.n=2", "reward.overlong_buffer.len=4",
          "algorithm.filter_groups.max_num_gen_batches=2", "trainer.total_training_steps=1",
          "trainer.val_before_train=false", "rollout.val_kwargs.do_sample=false"]

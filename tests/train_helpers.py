@@ -21,14 +21,18 @@ FAST = ["data.train_batch_size=8", "data.max_response_length=12", "data.syntheti
 
 # a GSM8K recipe config (configs/gsm8k_*.yaml) pointed at the embedded default's task, shrunk like FAST: the
 # recipe's algorithm, loss, sampling and packing settings on the synthetic data, with the tiny model and the
-# transformers engine on CPU
+# transformers engine on CPU. Packed rows of 512 tokens (a mini-batch of 4 prompts' samples fills two or three):
+# the recipes' automatic budgets (0) would plan rows of 16384 for a step of ~2400 tokens, every row then held to
+# that planned shape, and a step took 7.5 s instead of 0.75 (the automatic budget is tests/test_memory_plan.py's)
 ON_EMBEDDED_TASK = ["data.train_files=[]", "data.val_files=[]", "model.path=null", "rollout.engine=hf",
                     "model.dtype=float32", "model.remat=none", "data.max_prompt_length=48",
                     "data.max_response_length=12", "data.train_batch_size=8", "data.val_batch_size=16",
                     "data.synthetic_train_size=200", "data.synthetic_val_size=16", "data.synthetic_operators=+",
                     "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4", "model.tiny_hidden_size=64",
                     "trainer.sft_warmup_steps=5", "trainer.sft_lr=3e-3", "trainer.test_freq=3",
-                    "trainer.save_freq=-1", "trainer.logger=[jsonl]"]
+                    "trainer.save_freq=-1", "trainer.logger=[jsonl]", "actor.ppo_max_token_len_per_device=512",
+                    "actor.log_prob_max_token_len_per_device=512", "critic.ppo_max_token_len_per_device=512",
+                    "critic.forward_max_token_len_per_device=512"]
 
 
 # The suite's programs are compiled by LLVM at its lowest optimisation level (tests/conftest.py sets it for the test
@@ -173,8 +177,9 @@ def _forked(args: list[str], env: dict, out: str | None, err: str | None) -> Non
         code = 1
     threading._shutdown()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and not stream.closed:  # a program may close them (json.tool does)
+            stream.flush()
     os._exit(code or 0)
 
 
@@ -187,12 +192,14 @@ class ForkedRun:
         streams = (subprocess.PIPE, subprocess.DEVNULL, None)
         if stdout not in streams or stderr not in (*streams, subprocess.STDOUT):
             raise ValueError(f"unsupported streams {stdout!r}, {stderr!r}")
-        self._dir = tempfile.mkdtemp(prefix="jaxppo-proc-")
+        piped = subprocess.PIPE in (stdout, stderr)
+        self._dir = tempfile.mkdtemp(prefix="jaxppo-proc-") if piped else None  # the output read back
         self._out = os.path.join(self._dir, "stdout") if stdout == subprocess.PIPE else None
         self._err = (self._out if stderr == subprocess.STDOUT else
                      os.path.join(self._dir, "stderr") if stderr == subprocess.PIPE else None)
-        sinks = [path or (os.devnull if stream == subprocess.DEVNULL else None)
-                 for path, stream in ((self._out, stdout), (self._err, stderr))]
+        out = self._out or (os.devnull if stdout == subprocess.DEVNULL else None)
+        sinks = [out, out if stderr == subprocess.STDOUT else
+                 self._err or (os.devnull if stderr == subprocess.DEVNULL else None)]
         self.args = [sys.executable, *args]
         self._proc = _forkserver().Process(target=_forked, args=(args, env, *sinks))
         self._proc.start()
@@ -226,7 +233,8 @@ class ForkedRun:
         self.wait(timeout)
         read = lambda path: None if path is None else Path(path).read_text(errors="replace")  # noqa: E731
         out, err = read(self._out), None if self._err == self._out else read(self._err)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
         return out, err
 
 
