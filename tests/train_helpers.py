@@ -189,19 +189,20 @@ class ForkedRun:
     def __init__(self, args: list[str], env: dict, stdout, stderr):
         import tempfile
 
-        streams = (subprocess.PIPE, subprocess.DEVNULL, None)
-        if stdout not in streams or stderr not in (*streams, subprocess.STDOUT):
+        if stdout not in (subprocess.PIPE, subprocess.DEVNULL, None) or \
+                stderr not in (subprocess.PIPE, subprocess.DEVNULL, None, subprocess.STDOUT):
             raise ValueError(f"unsupported streams {stdout!r}, {stderr!r}")
-        piped = subprocess.PIPE in (stdout, stderr)
-        self._dir = tempfile.mkdtemp(prefix="jaxppo-proc-") if piped else None  # the output read back
-        self._out = os.path.join(self._dir, "stdout") if stdout == subprocess.PIPE else None
-        self._err = (self._out if stderr == subprocess.STDOUT else
-                     os.path.join(self._dir, "stderr") if stderr == subprocess.PIPE else None)
-        out = self._out or (os.devnull if stdout == subprocess.DEVNULL else None)
-        sinks = [out, out if stderr == subprocess.STDOUT else
-                 self._err or (os.devnull if stderr == subprocess.DEVNULL else None)]
+        self._dir = tempfile.mkdtemp(prefix="jaxppo-proc-") if subprocess.PIPE in (stdout, stderr) else None
+
+        def sink(stream, name: str) -> str | None:  # where the child writes: a file read back, /dev/null, or its own
+            return (os.path.join(self._dir, name) if stream == subprocess.PIPE else
+                    os.devnull if stream == subprocess.DEVNULL else None)
+
+        out = sink(stdout, "stdout")
+        err = out if stderr == subprocess.STDOUT else sink(stderr, "stderr")
+        self._read = [path if stream == subprocess.PIPE else None for path, stream in ((out, stdout), (err, stderr))]
         self.args = [sys.executable, *args]
-        self._proc = _forkserver().Process(target=_forked, args=(args, env, *sinks))
+        self._proc = _forkserver().Process(target=_forked, args=(args, env, out, err))
         self._proc.start()
         self.pid = self._proc.pid
         self.returncode = None
@@ -231,8 +232,7 @@ class ForkedRun:
         import shutil
 
         self.wait(timeout)
-        read = lambda path: None if path is None else Path(path).read_text(errors="replace")  # noqa: E731
-        out, err = read(self._out), None if self._err == self._out else read(self._err)
+        out, err = (None if path is None else Path(path).read_text(errors="replace") for path in self._read)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         return out, err
