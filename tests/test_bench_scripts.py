@@ -206,6 +206,31 @@ def test_check_configs_records_the_runs_own_step_row_when_asked(tmp_path, monkey
     assert [r["bench"] for r in ledger.read(led)] == ["config_check", "config_check"]
 
 
+def test_check_configs_latest_lists_each_checks_newest_row(tmp_path, capsys):
+    """`check_configs.py --latest`: one table line per check in CHECKS' order, from that check's newest row (an
+    older row of the same check is not shown), the plan's total over JAX's peak, a refusal marked, a check with no
+    row said never to have run."""
+    from scripts import check_configs
+
+    led = tmp_path / "results.jsonl"
+    (a, *_), (b, *_), (c, *_) = check_configs.CHECKS[:3]
+    fig = {"exit_code": 0, "out_of_memory": False, "plan_gb": 50.0, "plan_margin_gb": 2.0, "jax_peak_gb": 48.0,
+           "late_compiles": [], "timing_s/step": 4.5}
+    rows = [("old0001", a, fig), ("new0002", a, {**fig, "jax_peak_gb": 40.0}),
+            ("ref0003", b, {"exit_code": 2, "out_of_memory": False, "refusal": "no"})]
+    for commit, name, f in rows:
+        r = ledger.make_row("config_check", f, check=name, samples={"steps": 3})
+        ledger.append({**r, "commit": commit}, led)
+    assert check_configs.main(["--latest", "--ledger", str(led)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(check_configs.CHECKS)
+    first, second, third = lines[2:5]
+    assert first.startswith(f"| {a} |") and "new0002" in first and "old0001" not in first
+    assert "| 50.000 + 2.0 | 40.000 | 1.300 | 0 | 4.50 |" in first  # (50 + 2) / 40
+    assert second.startswith(f"| {b} |") and "| 2 (refused) |" in second
+    assert third.startswith(f"| {c} |") and "never run" in third
+
+
 def test_make_checkpoint_never_replaces_a_directory_that_holds_something_else(tmp_path, capsys):
     """The checkpoint replaces --out as a whole: a directory of other files (`--out ~/models`) is refused with
     nothing touched, a checkpoint is replaced only with --force, a new or empty directory is written."""

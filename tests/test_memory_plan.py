@@ -354,9 +354,10 @@ def test_every_gpu_config_check_on_record_stayed_within_its_plan():
     """The GPU checks of the committed configs (scripts/check_configs.py): none ran out of memory, and where a run
     finished, JAX's measured peak <= the plan's total (its states and largest program, plus the margin it reserves)
     and the plan's states + program <= 1.10 x the measured peak. (The 7B LoRA check at 9be2f87 peaked 2.4 MB above
-    its states + program: an update compiled in step 1 for a smaller shape, which XLA gave 1.5 MB more.)"""
+    its states + program: an update compiled in step 1 for a smaller shape, which XLA gave 1.5 MB more.) Each check's
+    latest row is a run that finished, or a refusal at start where one card must refuse."""
     from scripts import ledger
-    from scripts.check_configs import CHECKS, vllm_configs
+    from scripts.check_configs import CHECKS, REFUSED_ON_ONE_CARD, latest, vllm_configs
 
     assert set(vllm_configs()) <= {c for _, c, _, _ in CHECKS}  # every committed vLLM config is checked
     rows = [r for r in ledger.read() if r["bench"] == "config_check"]
@@ -368,6 +369,9 @@ def test_every_gpu_config_check_on_record_stayed_within_its_plan():
             total = f["plan_gb"] + (f.get("plan_margin_gb") or 0.0)
             assert f["jax_peak_gb"] <= total and f["plan_gb"] <= 1.10 * f["jax_peak_gb"], (row["check"], row["commit"], f)
     assert np.all([isinstance(r["figures"]["exit_code"], int) for r in rows])
+    for (name, *_), row in zip(CHECKS, latest(rows)):
+        assert row is not None, f"{name}: never checked on the GPU (scripts/check_configs.py --only {name})"
+        assert row["figures"]["exit_code"] == (2 if name in REFUSED_ON_ONE_CARD else 0), (name, row["commit"])
 
 
 def test_a_compile_after_the_start_is_logged_with_what_differs_and_a_warning_when_larger_than_planned(caplog):
