@@ -169,15 +169,17 @@ def bench_inputs(args, work: Path, n_prompts: int) -> list[str]:
         "trainer.resume_mode=disable"]
 
 
-def run_steps(trainer, cfg, n_prompts: int, steps: int, rank: int) -> list[dict[str, float]]:
+def run_steps(trainer, cfg, n_prompts: int, steps: int, rank: int, host=None) -> list[dict[str, float]]:
     """`steps` training steps, each one's metrics with the device's memory in use, JAX's peak and the tokens
-    generated (per process)."""
+    generated (per process); `host` (a HostMemory) is told where each step begins."""
     import jax
     import torch
 
     dev = jax.local_devices()[0]
     out = []
     for _ in range(steps):
+        if host is not None:
+            host.mark(f"step {trainer.step + 1}")
         with trainer.profiled(trainer.step + 1):  # trainer.profile_steps, as the trainer's own loop does
             m = trainer.train_step()
         if torch.cuda.is_available():
@@ -308,6 +310,8 @@ def print_summary(summary: dict, n_prompts: int) -> None:
     print(f"  start: {json.dumps(summary['start'])}")
     if "offload" in summary:
         print(f"  offload: {json.dumps(summary['offload'])}")
+    print("  host memory, sampled peaks (GiB): " + ", ".join(
+        f"{k} {v['gb']:.2f} ({v['phase']})" for k, v in summary["host_memory"]["peaks"].items()))
     if "gen_in_loop_over_standalone" in summary:
         print(f"  generation in loop {summary['gen_in_loop_tokens_per_s']:.0f} tok/s, standalone "
               f"{summary['gen_standalone_tokens_per_s']:.0f} tok/s, ratio {summary['gen_in_loop_over_standalone']:.3f}"
@@ -337,6 +341,8 @@ def ledger_row(args, summary: dict) -> dict:
         if k in summary:
             figures[k] = summary[k]
     figures.update({f"offload/{k}": v for k, v in summary.get("offload", {}).items()})
+    # the process's host memory at its sampled peaks, by kind (scripts/host_memory.py; the phases in the raw JSON)
+    figures.update({f"host/peak_{k}_gb": v["gb"] for k, v in summary["host_memory"]["peaks"].items()})
     return ledger.make_row("ppo_step", figures, config=args.config, overrides=list(args.overrides),
                            samples={"steps": summary["samples"], "standalone_generations": len(
                                summary.get("gen_standalone_repeats", []))}, shape=args.shape, start=summary["start"],
@@ -348,6 +354,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     start_log = VLLMStartLog()
+    from scripts.host_memory import HostMemory
+
+    # this process's host memory by kind and phase (the memory plan counts only JAX's offloaded states there)
+    host = HostMemory().start()
+    host.mark("imports, data, plan")
 
     from jaxppo.distributed import initialize_from_env
 
@@ -377,9 +388,11 @@ def main(argv=None) -> int:
     from scripts import ledger
 
     t0 = time.perf_counter()
+    host.mark("trainer setup (states, rollout engine)")
     trainer = PPOTrainer(cfg, make_engine_factory(cfg))
     setup_s = time.perf_counter() - t0
-    steps = run_steps(trainer, cfg, n_prompts, args.steps, rank)
+    steps = run_steps(trainer, cfg, n_prompts, args.steps, rank, host)
+    host.mark("after the steps")
     engine = trainer.engine
     start = {"setup_s": setup_s, "process_s": time.perf_counter() - t_start, "first_step_s": steps[0]["timing_s/step"],
              "vllm_start_s": getattr(engine, "start_s", None),
@@ -389,6 +402,8 @@ def main(argv=None) -> int:
     summary = step_summary(args, trainer, cfg, steps, keep, plan, start, n_prompts)
     if not args.no_standalone:
         summary.update(standalone_generation(trainer, cfg, n_prompts, keep))
+    host.stop()
+    summary["host_memory"] = host.summary()
     summary["device"] = ledger.device()
     summary["versions"] = ledger.versions()
     if rank != 0:

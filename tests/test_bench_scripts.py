@@ -59,11 +59,39 @@ def test_bench_ppo_step_on_a_committed_config(tmp_path):
     assert held.keys() == {"actor (trained params + AdamW)", "critic (trained params + AdamW)", "reference"}
     assert held["actor (trained params + AdamW)"] == pytest.approx(
         summary["memory_plan_gb"]["actor (weights + AdamW)"], rel=0.01)
+    # the process's host memory by kind, sampled from before the trainer to after the steps
+    host = summary["host_memory"]
+    assert list(host["snapshots"]) == ["imports, data, plan", "trainer setup (states, rollout engine)",
+                                       *[f"step {i}" for i in range(1, 5)], "after the steps"]
+    assert host["peaks"]["anon"]["gb"] >= max(s["anon"] for s in host["snapshots"].values()) > 0
+    assert host["peaks"]["anon"]["phase"] in host["snapshots"]
     rows = ledger.read(led)
     assert len(rows) == 1
     check_row(rows[0], "ppo_step")
     assert rows[0]["config"] == "configs/gsm8k_qwen2.5_0.5b.yaml" and rows[0]["samples"]["steps"] == 2
+    assert rows[0]["figures"]["host/peak_anon_gb"] == host["peaks"]["anon"]["gb"]
     assert rows[0]["figures"]["step_s"] == pytest.approx(summary["median_steps_3_to_n"]["timing_s/step"])
+
+
+def test_host_memory_names_the_phase_of_each_peak():
+    """scripts/host_memory.py: an array allocated in a phase and freed in the next makes the anonymous peak, in the
+    phase that allocated it, at least the array's size above where that phase began; mapped files are counted apart."""
+    import numpy as np
+
+    from scripts.host_memory import HostMemory
+
+    h = HostMemory(interval=10.0).start()  # the marks sample; the thread's first tick is after the test
+    h.mark("allocate")
+    a = np.ones(256 * 2**20 // 8)  # 256 MiB, every page written
+    h.mark("free")
+    del a
+    h.mark("after")
+    h.stop()
+    peaks, snaps = h.peaks(), h.snapshots
+    assert peaks["anon"]["phase"] == "allocate"
+    assert peaks["anon"]["gb"] - snaps["allocate"]["anon"] >= 0.25 * 0.98
+    assert snaps["after"]["anon"] < snaps["free"]["anon"] - 0.2  # freed: given back to the system
+    assert peaks["rss_peak"]["gb"] >= peaks["anon"]["gb"] and 0 < peaks["file"]["gb"] < peaks["rss"]["gb"]
 
 
 @pytest.mark.slow
