@@ -116,6 +116,11 @@ def row_of(result: dict, steps: int) -> dict:
             "vllm_sequences_at_once": bench.get("vllm_sequences_at_once"),
             "timing_s/step": med.get("timing_s/step"), "compiles_per_step": bench.get("compiles_per_step"),
             "late_compiles": bench.get("late_compiles")})
+        if "host_memory" in bench:  # the process's host memory (scripts/host_memory.py) beside the plan's host bytes
+            peaks = bench["host_memory"]["peaks"]
+            figures.update({"plan_host_gb": (bench.get("offload") or {}).get("host_gb", 0.0),
+                            "host_peak_gb": {k: v["gb"] for k, v in peaks.items()},
+                            "host_peak_phase": {k: v["phase"] for k, v in peaks.items()}})
     if "refusal" in result:
         figures["refusal"] = result["refusal"]
     cmd = f"python scripts/check_configs.py --only {result['name']} --steps {steps}"

@@ -70,6 +70,16 @@ def test_bench_ppo_step_on_a_committed_config(tmp_path):
     check_row(rows[0], "ppo_step")
     assert rows[0]["config"] == "configs/gsm8k_qwen2.5_0.5b.yaml" and rows[0]["samples"]["steps"] == 2
     assert rows[0]["figures"]["host/peak_anon_gb"] == host["peaks"]["anon"]["gb"]
+    # check_configs' row of such a run: JAX's peak beside the plan, the host's peaks beside the plan's host bytes
+    from scripts import check_configs
+
+    result = {"name": "qwen2.5-0.5b", "config": "configs/gsm8k_qwen2.5_0.5b.yaml", "shape": "tiny", "overrides": [],
+              "exit_code": 0, "seconds": 1.0, "out_of_memory": False, "bench": json.loads(out.read_text())}
+    f = check_configs.row_of(result, 4)["figures"]
+    assert f["jax_peak_gb"] == max(summary["jax_peak_gb_per_step"]) and f["plan_gb"] == summary["memory_estimate_gb"]
+    assert f["plan_host_gb"] == 0.0  # nothing offloaded
+    assert f["host_peak_gb"]["anon"] == host["peaks"]["anon"]["gb"]
+    assert f["host_peak_phase"]["anon"] == host["peaks"]["anon"]["phase"]
     assert rows[0]["figures"]["step_s"] == pytest.approx(summary["median_steps_3_to_n"]["timing_s/step"])
 
 
