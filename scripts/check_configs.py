@@ -148,8 +148,9 @@ def latest_table(rows: list[dict]) -> str:
         f = r["figures"]
         cells = ["", "", "", "", ""]
         if f.get("jax_peak_gb"):
-            cells = [f"{f['plan_gb']:.3f} + {f.get('plan_margin_gb') or 0:.1f}", f"{f['jax_peak_gb']:.3f}",
-                     f"{(f['plan_gb'] + (f.get('plan_margin_gb') or 0)) / f['jax_peak_gb']:.3f}", str(len(f.get("late_compiles") or [])),
+            margin = f.get("plan_margin_gb") or 0.0
+            cells = [f"{f['plan_gb']:.3f} + {margin:.1f}", f"{f['jax_peak_gb']:.3f}",
+                     f"{(f['plan_gb'] + margin) / f['jax_peak_gb']:.3f}", str(len(f.get("late_compiles") or [])),
                      f"{f.get('timing_s/step') or 0:.2f}"]
         exit_ = f"{f['exit_code']}" + (" (refused)" if f["exit_code"] == 2 else "") + \
             (" OUT OF MEMORY" if f["out_of_memory"] else "")
