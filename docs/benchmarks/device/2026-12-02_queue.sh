@@ -26,6 +26,9 @@ queue() {
   # the profiled runs (trainer.profile_tools=[torch]: CUPTI's record of every kernel, the engine's and XLA's, then
   # scripts/trace_summary.py: streams at once, the GPU's share of `gen`), traces kept on the machine, summaries back;
   # prof05_py: cProfile of a synchronous step's thread (trainer.profile_tools=[python]), its text summary back
+  # grpo15*: the GRPO 1.5B config (1280 sequences a step) with vLLM's default of 1024 sequences at once, and at 512 /
+  # 256 (rollout.max_num_seqs): vLLM captures decode CUDA graphs up to 512 sequences, and at 8f64328 the config's
+  # generation took 16.9 s (2 waves of ~1005) against 1.8 s for the 1.5B PPO config's 256
   local P="$PY scripts/bench_ppo_step.py"
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
@@ -37,6 +40,9 @@ awake15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps
 ppo7b_offload|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload.json --workdir $Q/w/ppo7b
 grpo7b|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b.json --workdir $Q/w/grpo7b
 lora7b|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b.json --workdir $Q/w/lora7b
+grpo15|$B --config configs/gsm8k_grpo_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/grpo15.json --workdir $Q/w/grpo15
+grpo15_seqs512|$B --config configs/gsm8k_grpo_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/grpo15_seqs512.json --workdir $Q/w/grpo15_seqs512 rollout.max_num_seqs=512
+grpo15_seqs256|$B --config configs/gsm8k_grpo_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/grpo15_seqs256.json --workdir $Q/w/grpo15_seqs256 rollout.max_num_seqs=256
 lora7b_bypass|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass.json --workdir $Q/w/lora7b_bypass algorithm.rollout_correction.bypass_mode=true
 prof05_async|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_async.json --workdir $Q/w/prof05_async trainer.async_rollout=true trainer.profile_steps=[5] trainer.profile_tools=[torch] trainer.profile_dir=$Q/w/prof_async && $PY scripts/trace_summary.py $Q/w/prof_async --top 25 --json-out $Q/prof05_async_summary.json
 prof05_sync|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_sync.json --workdir $Q/w/prof05_sync trainer.profile_steps=[5] trainer.profile_tools=[torch] trainer.profile_dir=$Q/w/prof_sync && $PY scripts/trace_summary.py $Q/w/prof_sync --top 25 --json-out $Q/prof05_sync_summary.json
