@@ -92,7 +92,10 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
 # __main__ with runpy, as the interpreter would, from the interpreter's state minus the imports. JAX's backend,
 # torch's threads and logging's set-up start in the child, from its own environment. JAXPPO_TEST_FORK=0 starts
 # fresh interpreters instead (subprocess.Popen). The README's commands and the multi-process tests (jaxppo.launch)
-# always run fresh interpreters.
+# always run fresh interpreters. The server keeps the modules as they were when it started: a file edited while a
+# test session runs reaches its later runs as a new __main__ (jaxppo.train, read again by runpy) beside the old
+# imports, which fail in ways the code never does (seen: a config field the new train.py passes and the preloaded
+# schema lacks). Run long sessions from a checkout nobody edits (a clone).
 
 _FORKSERVER = None
 
