@@ -276,7 +276,9 @@ def _check_vllm_scheduler(cfg: Config) -> None:
            f"rollout.cudagraph_capture_sizes: decode batch sizes >= 1, got {r.cudagraph_capture_sizes}")
     tokens, longest = r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length
     if tokens:
-        _check(tokens >= (r.max_num_seqs or 1024),
+        from jaxppo.plan import vllm_max_seqs  # what the plan sizes vLLM for: the key, else vLLM's default
+
+        _check(tokens >= vllm_max_seqs(cfg),
                f"rollout.max_num_batched_tokens ({tokens}) must be >= the sequences vLLM runs at once: "
                + (f"rollout.max_num_seqs ({r.max_num_seqs})" if r.max_num_seqs else
                   "vLLM's default, up to 1024; set rollout.max_num_seqs too"))
