@@ -312,6 +312,10 @@ def print_summary(summary: dict, n_prompts: int) -> None:
         print(f"  offload: {json.dumps(summary['offload'])}")
     print("  host memory, sampled peaks (GiB): " + ", ".join(
         f"{k} {v['gb']:.2f} ({v['phase']})" for k, v in summary["host_memory"]["peaks"].items()))
+    for label, look in summary["host_memory"].get("maps", {}).items():  # what the resident memory is, by mapping
+        print(f"  host mappings, {label} ({look['phase']}, rss {look['rss']:.2f} GiB): " + "; ".join(
+            f"{g['name']} {g['rss']:.2f} (anon {g['anon']:.2f}, locked {g['locked']:.2f}, x{g['n']})"
+            for g in (look["groups"] or [])[:8]))
     if "gen_in_loop_over_standalone" in summary:
         print(f"  generation in loop {summary['gen_in_loop_tokens_per_s']:.0f} tok/s, standalone "
               f"{summary['gen_standalone_tokens_per_s']:.0f} tok/s, ratio {summary['gen_in_loop_over_standalone']:.3f}"

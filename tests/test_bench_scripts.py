@@ -101,7 +101,27 @@ def test_host_memory_names_the_phase_of_each_peak():
     assert peaks["anon"]["phase"] == "allocate"
     assert peaks["anon"]["gb"] - snaps["allocate"]["anon"] >= 0.25 * 0.98
     assert snaps["after"]["anon"] < snaps["free"]["anon"] - 0.2  # freed: given back to the system
+    assert set(h.maps) >= {"allocate", "free", "after"} and h.maps["free"]["groups"]  # what it was, by mapping
     assert peaks["rss_peak"]["gb"] >= peaks["anon"]["gb"] and 0 < peaks["file"]["gb"] < peaks["rss"]["gb"]
+
+
+def test_host_mappings_name_a_large_anonymous_block_and_the_files_apart():
+    """scripts/host_memory.mappings: an anonymous block of 1.5 GiB, every page written, is a group of its own with its
+    resident size; shared libraries are grouped by path; the groups' resident sizes add up to at most the process's."""
+    import numpy as np
+
+    from scripts.host_memory import mappings, status
+
+    a = np.ones(3 * 2**30 // 2 // 8)  # 1.5 GiB
+    groups = mappings(top=1000)
+    rss = status()["rss"]
+    own = [g for g in groups if g["name"].startswith("[anon") and "GiB mapped" in g["name"]]
+    assert any(1.5 * 0.99 <= g["rss"] <= 1.6 and g["anon"] >= 1.5 * 0.99 and g["n"] == 1 for g in own), own
+    libs = [g for g in groups if g["name"].endswith(".so") or ".so." in g["name"]]
+    assert libs and all(g["name"].startswith("/") for g in libs)
+    assert len({g["name"] for g in groups}) == len(groups)
+    assert sum(g["rss"] for g in groups) <= rss + 0.01
+    del a
 
 
 @pytest.mark.slow
