@@ -95,12 +95,15 @@ def plan_in_child(cfg: Any, argv: list[str]) -> tuple[int, Any]:
     """Run `python -m jaxppo.train ARGV trainer.plan_only=true` in a child (JAX growing on demand there, the budget
     search's probes compiled without autotuning) and take its plan: the token budgets it chose become given
     budgets, vLLM's share its `gpu_memory_utilization`, and JAX here preallocates the planned need as one region
-    (`XLA_PYTHON_CLIENT_MEM_FRACTION`). Returns (exit code: 2 when the run cannot fit, the child's refusal
+    (`XLA_PYTHON_CLIENT_MEM_FRACTION`), and its pinned host pool may grow to hold the offloaded states
+    (`jaxppo.host_plan.set_cap`). Returns (exit code: 2 when the run cannot fit, the child's refusal
     printed; the config to run)."""
     import json
     import subprocess
     import sys
     import tempfile
+
+    from jaxppo.host_plan import set_cap
 
     with tempfile.TemporaryDirectory(prefix="jaxppo-plan-") as tmp:
         out = Path(tmp) / "plan.json"
@@ -124,6 +127,7 @@ def plan_in_child(cfg: Any, argv: list[str]) -> tuple[int, Any]:
         jax_share = 1.0 - u - MARGIN
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{jax_share:.4f}")
+    set_cap(sum(plan["host"].values()))  # XLA's pinned host pool may grow to what the offloaded states need
     return 0, load_config_like(cfg, given)
 
 

@@ -36,6 +36,7 @@ import jax
 
 from jaxppo import memory
 from jaxppo.errors import ConfigError
+from jaxppo.host_plan import HostPlan, plan_host
 from jaxppo.plan_search import (_abstract_packed, _abstract_padded, _fake_batch, _with_keys, ladder,
                                 MAX_SEARCH_WIDTH, plan_threads, search_budget)
 from jaxppo.programs import Memory, device_bytes
@@ -94,7 +95,12 @@ class Plan:
     # each phase group's chosen programs compiled as the run compiles them, (name, memory, resident argument
     # bytes) each: what `finalize` runs once JAX holds its share (autotuning allocates from it)
     finals: list[Callable[[], list[tuple[str, Memory, int]]]] = dataclasses.field(default_factory=list, repr=False)
-    host: dict[str, int] = dataclasses.field(default_factory=dict)  # offloaded states, in this host's RAM
+    host_plan: HostPlan | None = None  # offloaded states, in this host's RAM (jaxppo/host_plan.py)
+
+    @property
+    def host(self) -> dict[str, int]:
+        """The offloaded states, bytes on this host by component (empty: nothing offloaded)."""
+        return self.host_plan.states if self.host_plan else {}
 
     @property
     def resident(self) -> int:
@@ -130,6 +136,7 @@ class Plan:
                                     "compiles": p.compiles, "rounds": p.rounds, "search_s": round(p.seconds, 1)}
                            for p in self.phases},
                 "vllm": None if self.vllm is None else dataclasses.asdict(self.vllm), "host": dict(self.host),
+                "host_peak": self.host_plan.peak if self.host_plan else 0,
                 "table": self.table()}
 
     def table(self) -> str:
@@ -149,8 +156,7 @@ class Plan:
         if self.jax_limit is not None:
             lines.append(f"  {'JAX limit':<42}{gb(self.jax_limit)}  of a {self.card / GiB:.1f} GiB card")
         if self.host:
-            lines.append("  in host memory (offloaded; this host's share):")
-            lines += [f"    {k:<40}{gb(v)}" for k, v in self.host.items()]
+            lines += self.host_plan.lines()
         if self.vllm is not None:
             v = self.vllm
             waves = -(-v.generation_sequences // max(min(v.sequences, v.max_seqs), 1))
@@ -220,7 +226,8 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     d, r = cfg.data, cfg.rollout
     margin = int(cfg.trainer.memory_margin_gb * GiB)
     states = build.state_bytes()
-    check_host(build.host_state_bytes(), int(cfg.trainer.host_memory_gb * GiB) or None)  # 0: this host's own
+    host = plan_host(build.host_state_bytes(), int(cfg.trainer.host_memory_gb * GiB) or None)  # 0: this host's own
+    host.check()
     resident = sum(states.values())
     vllm = r.engine == "vllm" and card is not None
     step_seqs = d.train_batch_size * r.n
@@ -351,35 +358,11 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
         actor_forward=chosen.get("actor.log_prob_max_token_len_per_device", 0),
         critic_update=chosen.get("critic.ppo_max_token_len_per_device", 0),
         critic_forward=chosen.get("critic.forward_max_token_len_per_device", 0))
-    plan = Plan(states, phases, margin, card, jax_limit, None, budgets, finals, build.host_state_bytes())
+    plan = Plan(states, phases, margin, card, jax_limit, None, budgets, finals, host)
     if vllm:
         plan = _split(cfg, plan, weights, kv_seq, gen_seqs)
     check(cfg, plan)
     return plan
-
-
-def host_available() -> int | None:
-    """This host's available RAM (/proc/meminfo's MemAvailable; elsewhere None: not checked)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_host(host: dict[str, int], available: int | None = None) -> None:
-    """The offloaded states (`host`: bytes on this host, by component) must fit the host's available RAM with a
-    tenth to spare; ConfigError naming what to change."""
-    need = sum(host.values())
-    available = host_available() if available is None else available
-    if need and available is not None and need > 0.9 * available:
-        raise ConfigError(f"the offloaded states take {need / GiB:.1f} GiB of host memory, more than 90% of the "
-                          f"{available / GiB:.1f} GiB this host has available ("
-                          + ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in host.items()) + "): use LoRA "
-                          "(actor.lora_rank / critic.lora_rank), offload fewer states "
-                          "(actor.optimizer_offload / critic.optimizer_offload), or more hosts (docs/distributed.md)")
 
 
 def finalize(cfg: Any, plan: Plan, held: Callable[[], int | None] = lambda: None) -> Plan:

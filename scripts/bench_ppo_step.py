@@ -108,7 +108,10 @@ def offload_traffic(trainer, cfg) -> dict[str, float]:
 
     from jaxppo.offload import host_resident_bytes
 
+    host_plan = trainer.plan.host_plan
     return {"host_gb": sum(trainer.plan.host.values()) / 2**30,
+            # the plan's host figures (jaxppo/host_plan.py): XLA's pinned pool for the states, and the process's peak
+            "plan_pinned_pool_gb": (host_plan.pool or 0) / 2**30, "plan_host_peak_gb": host_plan.peak / 2**30,
             # measured: JAX's live arrays in host memory now, and the process's peak resident memory (vLLM, torch
             # and Python included), beside the plan's host figure above
             "host_arrays_gb": host_resident_bytes() / 2**30,

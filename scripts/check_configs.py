@@ -119,6 +119,7 @@ def row_of(result: dict, steps: int) -> dict:
         if "host_memory" in bench:  # the process's host memory (scripts/host_memory.py) beside the plan's host bytes
             peaks = bench["host_memory"]["peaks"]
             figures.update({"plan_host_gb": (bench.get("offload") or {}).get("host_gb", 0.0),
+                            "plan_host_peak_gb": (bench.get("offload") or {}).get("plan_host_peak_gb", 0.0),
                             "host_peak_gb": {k: v["gb"] for k, v in peaks.items()},
                             "host_peak_phase": {k: v["phase"] for k, v in peaks.items()}})
     if "refusal" in result:

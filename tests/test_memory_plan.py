@@ -389,6 +389,8 @@ def test_every_gpu_config_check_on_record_stayed_within_its_plan():
         if f["exit_code"] == 0 and "jax_peak_gb" in f:
             total = f["plan_gb"] + (f.get("plan_margin_gb") or 0.0)
             assert f["jax_peak_gb"] <= total and f["plan_gb"] <= 1.10 * f["jax_peak_gb"], (row["check"], row["commit"], f)
+        if f.get("plan_host_peak_gb"):  # the host plan (jaxppo/host_plan.py), from the rows that carry it
+            assert f["host_peak_gb"]["rss_peak"] <= f["plan_host_peak_gb"], (row["check"], row["commit"], f)
     assert np.all([isinstance(r["figures"]["exit_code"], int) for r in rows])
     for (name, *_), row in zip(CHECKS, latest(rows)):
         assert row is not None, f"{name}: never checked on the GPU (scripts/check_configs.py --only {name})"

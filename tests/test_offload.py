@@ -54,11 +54,12 @@ def test_three_updates_with_the_optimizer_state_offloaded_equal_those_without(ti
     assert 2 * 4 * n_params * mesh.shape["data"] <= out[True][1] <= 2 * 4 * n_params * mesh.devices.size
 
 
-def test_the_plan_counts_the_moments_on_the_host_and_refuses_what_the_host_cannot_hold(tmp_path, one_device):
+def test_the_plan_counts_the_moments_on_the_host_and_refuses_what_the_host_cannot_hold(tmp_path, one_device,
+                                                                                      monkeypatch):
     from jaxppo import start
     from jaxppo.config import load_config
     from jaxppo.errors import ConfigError
-    from jaxppo.plan import check_host
+    from jaxppo.host_plan import CAP_ENV, PROCESS_BYTES, plan_host
     from tests.train_helpers import FAST, ROOT
 
     def prep(*extra):
@@ -70,13 +71,21 @@ def test_the_plan_counts_the_moments_on_the_host_and_refuses_what_the_host_canno
     moved = sum(off.host.values())
     assert not plain.host and set(off.host) == {"actor AdamW moments", "critic AdamW moments"}
     assert plain.resident - off.resident == moved > 0  # the card's states shrink by what the host holds
-    assert "in host memory" in off.table()
+    assert "in host memory" in off.table() and "XLA pinned pool" in off.table()
+    assert off.summary()["host_peak"] == off.host_plan.peak == off.host_plan.pool + off.host_plan.process
+    assert off.host_plan.pool >= moved and off.host_plan.process == (PROCESS_BYTES if jax.default_backend() == "gpu"
+                                                                     else 0)  # the allowance is the GPU process's
+    peak = off.host_plan.peak
     with pytest.raises(ConfigError, match="more than 90%.*optimizer_offload"):
-        check_host(off.host, available=moved)
-    check_host(off.host, available=10 * moved)
+        plan_host(off.host, available=int(peak / 0.9) - 2**20).check()
+    plan_host(off.host, available=int(peak / 0.9) + 2**20).check()
     # trainer.host_memory_gb stands for the host's RAM, as trainer.device_memory_gb for the card's
     with pytest.raises(ConfigError, match=r"more than 90% of the 0.0 GiB"):
         prep("actor.optimizer_offload=true", "trainer.host_memory_gb=0.00001")
+    # a pinned cap the user set below what the states need: refused at start, naming the variable and the value
+    monkeypatch.setenv(CAP_ENV, str(moved / 4 / 2**30))
+    with pytest.raises(ConfigError, match=f"more pinned host memory.*{CAP_ENV} to at least"):
+        prep("actor.optimizer_offload=true", "critic.optimizer_offload=true")
 
 
 def test_a_run_with_offload_checkpoints_and_resumes_with_the_moments_still_on_the_host(tmp_path, one_device):
