@@ -55,7 +55,7 @@ def cap_in_force(in_use: int, can_raise: bool) -> tuple[int, str]:
     """The cap the run will have and where it comes from: the user's `CAP_ENV`; else XLA's default, raised to
     `raised_cap(in_use)` where that is too small and JAX has not started on the GPU yet (`can_raise`)."""
     if CAP_ENV in os.environ:
-        return int(float(os.environ[CAP_ENV]) * GiB), f"{CAP_ENV}={os.environ[CAP_ENV]} (set)"
+        return int(float(os.environ[CAP_ENV]) * GiB), f"{CAP_ENV}={os.environ[CAP_ENV]} in the environment"
     if pinned_pool(in_use, DEFAULT_CAP) is None and can_raise:
         cap = raised_cap(in_use)
         return cap, f"{CAP_ENV}={cap // GiB} (raised by the plan from XLA's default 64)"
