@@ -75,7 +75,10 @@ def own_gpu_first(env: dict[str, str] | None = None) -> str | None:
 def initialize_from_env() -> Topology | None:
     """`jax.distributed.initialize` when the environment describes several processes (before any other
     JAX call). CPU collectives go through gloo; on GPUs, NCCL (keep NCCL_NVLS_ENABLE=0, see the launcher).
-    With `JAX_PLATFORMS=cpu` the local device ids are not passed (CPU devices are not per-process GPUs)."""
+    With `JAX_PLATFORMS=cpu` the local device ids are not passed (CPU devices are not per-process GPUs).
+    `JAXPPO_HEARTBEAT_TIMEOUT_S` (default JAX's 100): how long a process may go without a heartbeat before the
+    coordination service ends every process; a host whose CPUs are oversubscribed (a CI machine running other
+    work beside the processes) can starve the heartbeat threads that long."""
     topo = topology_from_env()
     if topo is None or topo.num_processes <= 1:
         return None
@@ -90,7 +93,8 @@ def initialize_from_env() -> Topology | None:
     jax.distributed.initialize(coordinator_address=topo.coordinator, num_processes=topo.num_processes,
                                process_id=topo.process_id,
                                local_device_ids=None if cpu else (list(topo.local_device_ids)
-                                                                  if topo.local_device_ids else None))
+                                                                  if topo.local_device_ids else None),
+                               heartbeat_timeout_seconds=int(os.environ.get("JAXPPO_HEARTBEAT_TIMEOUT_S", "100")))
     return topo
 
 

@@ -9,7 +9,8 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
 def main(ckpt, coordinator, rank, out):
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=int(rank))
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=int(rank),
+                               heartbeat_timeout_seconds=900)  # the suite keeps both cores busy beside it
 
     from jaxppo.sharding import make_mesh
     from tests.engine_case import B, run_case

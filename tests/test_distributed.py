@@ -19,7 +19,9 @@ SAME = [*FAST, "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "
 
 
 def _env(devices: int) -> dict:
-    return train_env(devices, JAX_PLATFORMS="cpu")
+    # the suite's other worker keeps both cores busy: a process's heartbeat can wait longer than JAX's 100 s (a
+    # fresh-clone CI run at a0aed1f lost the packed two-process run to it, both tasks declared dead at 100 s)
+    return train_env(devices, JAX_PLATFORMS="cpu", JAXPPO_HEARTBEAT_TIMEOUT_S="900")
 
 
 def _comparable(rec: dict) -> dict:
@@ -160,12 +162,14 @@ def test_a_torchrun_rank_sees_its_own_gpu_first_before_jax_starts(monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("JAXPPO_NUM_PROCESSES", raising=False)
+    monkeypatch.setenv("JAXPPO_HEARTBEAT_TIMEOUT_S", "321")
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(
         kw, visible=os.environ["CUDA_VISIBLE_DEVICES"]))
     topo = initialize_from_env()
     assert topo.num_processes == 2 and topo.process_id == 1
     assert seen["visible"] == "1,0" and seen["local_device_ids"] == [0] and seen["process_id"] == 1
+    assert seen["heartbeat_timeout_seconds"] == 321  # JAXPPO_HEARTBEAT_TIMEOUT_S reaches jax.distributed
 
 
 @pytest.mark.parametrize("override,message", [
