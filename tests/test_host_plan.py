@@ -1,6 +1,7 @@
 """jaxppo/host_plan.py: the pinned pool XLA's host allocator grows to, its cap, and the host check."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -64,11 +65,11 @@ def test_past_the_cap_the_states_do_not_fit_and_the_plan_raises_the_cap_or_refus
     assert pinned_pool(in_use, cap) is not None
     assert cap_in_force(in_use, can_raise=False)[0] == DEFAULT_CAP  # JAX already started: the default stands
     set_cap(in_use)
-    assert int(__import__("os").environ[CAP_ENV]) * GiB == cap
+    assert int(os.environ[CAP_ENV]) * GiB == cap
     # a user's value wins, and is checked
     monkeypatch.setenv(CAP_ENV, "40")
     set_cap(in_use)
-    assert __import__("os").environ[CAP_ENV] == "40"
+    assert os.environ[CAP_ENV] == "40"
     cap, source = cap_in_force(in_use, can_raise=True)
     plan = HostPlan({"actor AdamW moments": in_use}, cap, source, pinned_pool(in_use, cap), 10**15)
     with pytest.raises(ConfigError, match=f"{CAP_ENV}=40 in the environment.*at least {raised_cap(in_use) // GiB}"):
@@ -76,7 +77,7 @@ def test_past_the_cap_the_states_do_not_fit_and_the_plan_raises_the_cap_or_refus
     # under the default nothing is set
     monkeypatch.delenv(CAP_ENV)
     set_cap(10 * GiB)
-    assert CAP_ENV not in __import__("os").environ
+    assert CAP_ENV not in os.environ
 
 
 def test_the_host_check_counts_the_pool_and_the_process_not_the_arrays():
