@@ -35,6 +35,27 @@ class Sampling:
     logprobs: bool = True
 
 
+# vLLM engine arguments jaxppo sets itself, with the key (or reason) that decides each: refused in
+# `rollout.engine_kwargs.vllm` (the config check names the key to set instead)
+VLLM_OWN_ARGS: dict[str, str] = {
+    "model": "model.path (vLLM gets the weights from JAX)",
+    "load_format": "weights are pushed from JAX",
+    "skip_tokenizer_init": "jaxppo tokenizes and decodes",
+    "tokenizer": "data.tokenizer",
+    "dtype": "model.dtype",
+    "seed": "trainer.seed",
+    "logprobs_mode": "jaxppo's log-prob semantics (processed_logprobs: jaxppo/rollout.py)",
+    "enforce_eager": "rollout.enforce_eager",
+    "enable_prefix_caching": "rollout.enable_prefix_caching",
+    "enable_chunked_prefill": "rollout.enable_chunked_prefill",
+    "max_model_len": "data.max_prompt_length + data.max_response_length",
+    "max_num_seqs": "rollout.max_num_seqs",
+    "max_num_batched_tokens": "rollout.max_num_batched_tokens",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization (0: the memory plan's share)",
+    "enable_sleep_mode": "rollout.free_cache_engine",
+}
+
+
 @dataclasses.dataclass
 class Rollouts:
     """Prompt-major: samples of prompt 0, then prompt 1, ... Arrays are [num_samples, max_tokens]."""

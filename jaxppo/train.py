@@ -34,7 +34,9 @@ def make_engine_factory(cfg):
                            cudagraph_capture_sizes=cfg.rollout.cudagraph_capture_sizes,
                            max_num_seqs=cfg.rollout.max_num_seqs,
                            max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
-                           enable_chunked_prefill=cfg.rollout.enable_chunked_prefill, seed=cfg.trainer.seed,
+                           enable_chunked_prefill=cfg.rollout.enable_chunked_prefill,
+                           enable_prefix_caching=cfg.rollout.enable_prefix_caching,
+                           engine_kwargs=cfg.rollout.engine_kwargs.vllm, seed=cfg.trainer.seed,
                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
 
     return factory

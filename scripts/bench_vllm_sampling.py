@@ -12,7 +12,12 @@ Ways (`--ways`, comma list):
                     (its `sampling_params`)
   no_logprobs       one seed, no log-probs: the floor for sampling alone
 Prompts are random token ids of the data's length; responses run to --tokens (no EOS: ignore_eos), so every way
-generates the same number of tokens. Each repeat: wall and CPU time of the call, tokens/s. Ledger `vllm_sampling`.
+generates the same number of tokens. Each repeat: wall and CPU time of the call, tokens/s. Ledger `vllm_sampling`,
+with the engine's arguments in force (`engine_args`: prefix caching, asynchronous scheduling, and any given).
+
+Engine arguments, one engine per process (compare them in separate runs of one call):
+  --no-prefix-caching   rollout.enable_prefix_caching=false (on by default, as verl)
+  --engine-kwargs JSON  further vLLM EngineArgs, as rollout.engine_kwargs.vllm: '{"async_scheduling": false}'
 
 `--profile-way WAY[,WAY]` then runs one more call of each way named under cProfile (the host's side of a generation: which of
 vLLM's functions the time goes to, per decode step) and prints the functions that took the most time of their own
@@ -148,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="vLLM's max_model_len (default: prompt length + tokens; the trainer's is max_prompt_length + "
                         "max_response_length, 768 in the committed configs)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="vLLM without prefix caching (rollout.enable_prefix_caching=false; on by default, as verl)")
+    p.add_argument("--engine-kwargs", default="{}", type=json.loads,
+                   help='further vLLM engine arguments as JSON, as rollout.engine_kwargs.vllm: \'{"async_scheduling": false}\'')
     p.add_argument("--workdir", default="/tmp/jaxppo_bench_vllm_sampling")
     p.add_argument("--json-out", default=None)
     p.add_argument("--ledger", default=None, help="ledger file (default: the repo's)")
@@ -171,11 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = args.max_model_len or args.prompt_len + args.tokens
     engine = make_engine("vllm", model_dir=model_dir, dtype=args.dtype or ("bfloat16" if gpu else "float32"),
                          pad_token_id=0, eos_token_ids=(), gpu_memory_utilization=args.gpu_memory_utilization,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                         engine_kwargs=args.engine_kwargs)
+    vc = engine.llm.llm_engine.vllm_config
+    engine_args = {"enable_prefix_caching": vc.cache_config.enable_prefix_caching,
+                   "async_scheduling": vc.scheduler_config.async_scheduling, **args.engine_kwargs}
     figures = measure(engine, SHAPES[args.shape].vocab_size, ways, args.prompts, args.n, args.tokens,
                       args.prompt_len, args.repeats)
     print(f"{args.shape}: {args.prompts} prompts x {args.n} x {args.tokens} tokens, {args.repeats} repeats each "
-          f"({'GPU' if gpu else 'CPU'})")
+          f"({'GPU' if gpu else 'CPU'}); vLLM {', '.join(f'{k} {v}' for k, v in engine_args.items())}")
     for w, f in figures.items():
         print(f"  {w:<18} {f['tokens_per_s']:10.0f} tokens/s  wall {f['wall_s']:.3f} s  cpu {f['cpu_s']:.3f} s")
     extra = {"profiles": []}
@@ -191,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         extra["profiles"].append(prof)
     row = ledger.make_row("vllm_sampling", figures, shape=args.shape, prompts=args.prompts, n=args.n,
                           tokens=args.tokens, prompt_len=args.prompt_len, max_model_len=max_model_len,
+                          engine_args=engine_args,
                           samples={"repeats": args.repeats},
                           command=None if argv is None else " ".join(["python scripts/bench_vllm_sampling.py", *argv]))
     if args.json_out:

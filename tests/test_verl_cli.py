@@ -135,6 +135,27 @@ def test_verls_vllm_scheduler_keys_set_the_engines_and_its_limits_are_checked_at
                            "rollout.enable_chunked_prefill=false"])
 
 
+def test_verls_engine_kwargs_and_prefix_caching_reach_the_rollout_keys():
+    """verl's `rollout.engine_kwargs.vllm.<arg>` (any vLLM EngineArgs name) and `enable_prefix_caching` become
+    jaxppo's keys of the same names, typed as YAML reads them; sglang's are ignored; an argument jaxppo sets from a
+    key of its own is refused at load, naming that key."""
+    from jaxppo.errors import ConfigError
+
+    R = "actor_rollout_ref.rollout."
+    base = ["data.train_files=[]", "data.val_files=[]"]
+    cfg = load_config(None, [*base, f"{R}enable_prefix_caching=False", f"{R}engine_kwargs.vllm.async_scheduling=false",
+                             f"+{R}engine_kwargs.vllm.block_size=32", f"{R}engine_kwargs.sglang.attention_backend=fa3"])
+    assert cfg.rollout.enable_prefix_caching is False
+    assert cfg.rollout.engine_kwargs.vllm == {"async_scheduling": False, "block_size": 32}
+    assert load_config(None, base).rollout.engine_kwargs.vllm == {}
+    assert load_config(None, base).rollout.enable_prefix_caching is True  # verl's default
+    for key, own in (("gpu_memory_utilization=0.5", "rollout.gpu_memory_utilization"),
+                     ("enable_sleep_mode=false", "rollout.free_cache_engine"), ("seed=3", "trainer.seed")):
+        with pytest.raises(ConfigError, match=rf"rollout.engine_kwargs.vllm.{key.split('=')[0]}: jaxppo sets it; "
+                                              rf"set {own}"):
+            load_config(None, [*base, f"rollout.engine_kwargs.vllm.{key}"])
+
+
 def test_a_verl_key_without_a_jaxppo_meaning_exits_2_naming_it(tmp_path, capsys):
     from jaxppo.train import main
 
@@ -158,8 +179,9 @@ def _keys(cls: type = Config, prefix: str = "") -> set[str]:
 def test_every_alias_names_a_jaxppo_key_and_the_doc_is_the_table():
     keys = _keys()
     for verl, target, _ in TABLE:
-        if target not in (IGNORED, UNSUPPORTED):
-            assert all(t in keys for t in target.split(" + ")), (verl, target)
+        if target not in (IGNORED, UNSUPPORTED):  # `x.{}`: any key below the dict-valued key x
+            assert all(t.removesuffix(".{}") in keys for t in target.split(" + ")), (verl, target)
+            assert verl.endswith(".{}") == target.endswith(".{}"), (verl, target)
     assert len({v for v, _, _ in TABLE}) == len(TABLE)
     doc = (ROOT / "docs" / "verl_keys_table.md").read_text()
     assert doc == markdown(), "regenerate: python -m jaxppo.config.verl_keys > docs/verl_keys_table.md"

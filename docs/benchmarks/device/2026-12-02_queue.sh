@@ -26,6 +26,9 @@ queue() {
   # the profiled runs (trainer.profile_tools=[torch]: CUPTI's record of every kernel, the engine's and XLA's, then
   # scripts/trace_summary.py: streams at once, the GPU's share of `gen`), traces kept on the machine, summaries back;
   # prof05_py: cProfile of a synchronous step's thread (trainer.profile_tools=[python]), its text summary back
+  # knobs05*: standalone vLLM at the 0.5B config's generation (256 x 256 tokens, no log-probs, the trainer's
+  # max_model_len), one engine per process: vLLM's defaults (asynchronous scheduling, prefix caching) against
+  # rollout.engine_kwargs.vllm.async_scheduling=false and rollout.enable_prefix_caching=false, alone and together
   # grpo15*: the GRPO 1.5B config (1280 sequences a step) with vLLM's default of 1024 sequences at once, and at 512 /
   # 256 (rollout.max_num_seqs): vLLM captures decode CUDA graphs up to 512 sequences, and at 8f64328 the config's
   # generation took 16.9 s (2 waves of ~1005) against 1.8 s for the 1.5B PPO config's 256
@@ -49,6 +52,10 @@ prof05_sync|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --s
 prof05_py|$P --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 6 --no-standalone --no-ledger --json-out $Q/prof05_py.json --workdir $Q/w/prof05_py trainer.profile_steps=[5] trainer.profile_tools=[python] trainer.profile_dir=$Q/w/prof_py && cp $Q/w/prof_py/step_5/python_profile.txt $Q/prof05_py_profile.txt
 sampling05|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --profile-way no_logprobs,one_seed_flat --ledger $Q/results.jsonl --json-out $Q/sampling05.json --workdir $Q/w/sampling05
 sampling05_mml|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs,one_seed_flat --max-model-len 768 --ledger $Q/results.jsonl --json-out $Q/sampling05_mml.json --workdir $Q/w/sampling05_mml
+knobs05_default|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --ledger $Q/results.jsonl --json-out $Q/knobs05_default.json --workdir $Q/w/knobs
+knobs05_sync|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/knobs05_sync.json --workdir $Q/w/knobs
+knobs05_noprefix|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/knobs05_noprefix.json --workdir $Q/w/knobs
+knobs05_sync_noprefix|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/knobs05_sync_noprefix.json --workdir $Q/w/knobs
 sampling05_n5|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 5 --tokens 256 --repeats 4 --profile-way no_logprobs --ledger $Q/results.jsonl --json-out $Q/sampling05_n5.json --workdir $Q/w/sampling05_n5
 EOF
   # one job per config check (scripts/check_configs.py's names): check_<name> (3 steps, the `config_check` row), and
