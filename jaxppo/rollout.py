@@ -35,24 +35,29 @@ class Sampling:
     logprobs: bool = True
 
 
-# vLLM engine arguments jaxppo sets itself, with the key (or reason) that decides each: refused in
-# `rollout.engine_kwargs.vllm` (the config check names the key to set instead)
+# vLLM engine arguments jaxppo sets itself, each with the key that sets it (or why jaxppo decides it): refused in
+# `rollout.engine_kwargs.vllm` (the config check says which)
 VLLM_OWN_ARGS: dict[str, str] = {
-    "model": "model.path (vLLM gets the weights from JAX)",
-    "load_format": "weights are pushed from JAX",
+    "model": "vLLM gets the weights from JAX (model.path)",
+    "load_format": "the weights are pushed from JAX",
     "skip_tokenizer_init": "jaxppo tokenizes and decodes",
-    "tokenizer": "data.tokenizer",
-    "dtype": "model.dtype",
-    "seed": "trainer.seed",
-    "logprobs_mode": "jaxppo's log-prob semantics (processed_logprobs: jaxppo/rollout.py)",
-    "enforce_eager": "rollout.enforce_eager",
-    "enable_prefix_caching": "rollout.enable_prefix_caching",
-    "enable_chunked_prefill": "rollout.enable_chunked_prefill",
-    "max_model_len": "data.max_prompt_length + data.max_response_length",
-    "max_num_seqs": "rollout.max_num_seqs",
-    "max_num_batched_tokens": "rollout.max_num_batched_tokens",
-    "gpu_memory_utilization": "rollout.gpu_memory_utilization (0: the memory plan's share)",
-    "enable_sleep_mode": "rollout.free_cache_engine",
+    "tokenizer": "jaxppo tokenizes and decodes (data.tokenizer)",
+    "dtype": "set model.dtype",
+    "seed": "set trainer.seed",
+    "logprobs_mode": "jaxppo's log-prob semantics are vLLM's processed_logprobs (jaxppo/rollout.py)",
+    "enforce_eager": "set rollout.enforce_eager",
+    "enable_prefix_caching": "set rollout.enable_prefix_caching",
+    "enable_chunked_prefill": "set rollout.enable_chunked_prefill",
+    "max_model_len": "set data.max_prompt_length + data.max_response_length",
+    "max_num_seqs": "set rollout.max_num_seqs",
+    "max_num_batched_tokens": "set rollout.max_num_batched_tokens",
+    "gpu_memory_utilization": "set rollout.gpu_memory_utilization (0: the memory plan's share)",
+    "kv_cache_memory_bytes": "the memory plan sizes vLLM's share (rollout.gpu_memory_utilization)",
+    "enable_sleep_mode": "set rollout.free_cache_engine",
+    "tensor_parallel_size": "vLLM runs on the trainer's device in its process (no parallel rollout yet)",
+    "pipeline_parallel_size": "vLLM runs on the trainer's device in its process (no parallel rollout yet)",
+    "data_parallel_size": "each training process runs its own vLLM replica",
+    "distributed_executor_backend": "vLLM runs in the trainer's process",
 }
 
 

@@ -154,6 +154,8 @@ def test_verls_engine_kwargs_and_prefix_caching_reach_the_rollout_keys():
         with pytest.raises(ConfigError, match=rf"rollout.engine_kwargs.vllm.{key.split('=')[0]}: jaxppo sets it; "
                                               rf"set {own}"):
             load_config(None, [*base, f"rollout.engine_kwargs.vllm.{key}"])
+    with pytest.raises(ConfigError, match=r"vllm.tensor_parallel_size: jaxppo sets it; vLLM runs on the trainer's"):
+        load_config(None, [*base, f"{R}engine_kwargs.vllm.tensor_parallel_size=2"])
 
 
 def test_a_verl_key_without_a_jaxppo_meaning_exits_2_naming_it(tmp_path, capsys):

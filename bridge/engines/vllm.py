@@ -106,7 +106,7 @@ def checked_engine_kwargs(extra: dict[str, Any]) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     for key in extra:
         if key in VLLM_OWN_ARGS:
-            raise ConfigError(f"rollout.engine_kwargs.vllm.{key}: jaxppo sets it; set {VLLM_OWN_ARGS[key]}")
+            raise ConfigError(f"rollout.engine_kwargs.vllm.{key}: jaxppo sets it; {VLLM_OWN_ARGS[key]}")
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3)
             raise ConfigError(f"rollout.engine_kwargs.vllm.{key}: not an argument of this vLLM's EngineArgs"

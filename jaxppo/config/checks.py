@@ -278,7 +278,7 @@ def _check_vllm_scheduler(cfg: Config) -> None:
 
     for key in r.engine_kwargs.vllm:
         _check(key not in VLLM_OWN_ARGS,
-               f"rollout.engine_kwargs.vllm.{key}: jaxppo sets it; set {VLLM_OWN_ARGS.get(key)}")
+               f"rollout.engine_kwargs.vllm.{key}: jaxppo sets it; {VLLM_OWN_ARGS.get(key)}")
     tokens, longest = r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length
     if tokens:
         from jaxppo.plan import vllm_max_seqs  # what the plan sizes vLLM for: the key, else vLLM's default

@@ -150,7 +150,7 @@ class ValKwargsConfig:
 class EngineKwargsConfig:
     """verl's `rollout.engine_kwargs`: further arguments of the rollout engine (vLLM's `EngineArgs`, e.g.
     `async_scheduling: false`). The arguments jaxppo sets from its own keys or its plan are refused there, naming
-    the key to set instead (bridge/engines/vllm.py `OWN_ARGS`)."""
+    the key to set instead (`jaxppo.rollout.VLLM_OWN_ARGS`); ignored by the transformers engine."""
 
     vllm: dict = field(default_factory=dict)
 
