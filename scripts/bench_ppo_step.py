@@ -8,8 +8,8 @@ standalone generation of the same prompts measured in the same process afterward
 Reports the median of each phase (`timing_s/*`) over steps 3..N (N >= 10 gives the 8 samples the ledger asks
 for), tokens/s, MFU of the update phases (FLOPs as computed, against the card's specified peak), device
 memory against the memory plan's estimate, whether `perf/compiles` stayed constant after step 3, the
-start (vLLM's init, compile and CUDA-graph capture, as vLLM logs them; the cudagraph mode in force), and the
-in-loop / standalone generation ratio. Appends one `"bench": "ppo_step"` row to the ledger (`--ledger`).
+start (vLLM's init, compile and CUDA-graph capture, as vLLM logs them; the cudagraph mode, prefix caching and
+asynchronous scheduling in force), and the in-loop / standalone generation ratio. Appends one `"bench": "ppo_step"` row to the ledger (`--ledger`).
 
 With several processes (one per GPU, each with its own in-process vLLM replica generating for its share of
 the prompts), every process runs the same loop; metrics are global (the trainer reduces them), device memory
@@ -404,6 +404,7 @@ def main(argv=None) -> int:
     start = {"setup_s": setup_s, "process_s": time.perf_counter() - t_start, "first_step_s": steps[0]["timing_s/step"],
              "vllm_start_s": getattr(engine, "start_s", None),
              "cudagraph_mode": engine.cudagraph_mode() if hasattr(engine, "cudagraph_mode") else "n/a",
+             **(engine.host_options() if hasattr(engine, "host_options") else {}),
              **start_log.figures}
     keep = steps[2:] if len(steps) > 2 else steps
     summary = step_summary(args, trainer, cfg, steps, keep, plan, start, n_prompts)

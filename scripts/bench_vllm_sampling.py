@@ -182,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                          pad_token_id=0, eos_token_ids=(), gpu_memory_utilization=args.gpu_memory_utilization,
                          max_model_len=max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                          engine_kwargs=args.engine_kwargs)
-    vc = engine.llm.llm_engine.vllm_config
-    engine_args = {"enable_prefix_caching": vc.cache_config.enable_prefix_caching,
-                   "async_scheduling": vc.scheduler_config.async_scheduling, **args.engine_kwargs}
+    engine_args = {**engine.host_options(), **args.engine_kwargs}
     figures = measure(engine, SHAPES[args.shape].vocab_size, ways, args.prompts, args.n, args.tokens,
                       args.prompt_len, args.repeats)
     print(f"{args.shape}: {args.prompts} prompts x {args.n} x {args.tokens} tokens, {args.repeats} repeats each "

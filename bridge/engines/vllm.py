@@ -175,7 +175,8 @@ class VLLMEngine:
         with thread_local_capture():
             self.llm = LLM(**kw)
         self.start_s = time.perf_counter() - t0
-        log.info("vLLM schedules %s", ", ".join(f"{k} {v}" for k, v in self.scheduler_limits().items()))
+        log.info("vLLM schedules %s", ", ".join(f"{k} {v}" for k, v in
+                                                {**self.scheduler_limits(), **self.host_options()}.items()))
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.asleep = False
@@ -206,6 +207,13 @@ class VLLMEngine:
         return {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
                 "enable_chunked_prefill": bool(s.enable_chunked_prefill),
                 "max_cudagraph_capture_size": c.compilation_config.max_cudagraph_capture_size or 0}
+
+    def host_options(self) -> dict[str, bool]:
+        """vLLM's resolved options that decide its host work a decode step: prefix caching (block hashing per token)
+        and asynchronous scheduling (the next pass prepared while the GPU runs the last)."""
+        c = self.llm.llm_engine.vllm_config
+        return {"enable_prefix_caching": bool(c.cache_config.enable_prefix_caching),
+                "async_scheduling": bool(c.scheduler_config.async_scheduling)}
 
     def model(self) -> torch.nn.Module:
         runner = self._worker().model_runner

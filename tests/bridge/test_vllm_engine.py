@@ -109,9 +109,8 @@ def test_prefix_caching_and_engine_kwargs_reach_vllm(setup, tiny_qwen):
     engine = make_engine("vllm", model_dir=tiny_qwen, dtype="float32", pad_token_id=0, eos_token_ids=(),
                          enforce_eager=True, max_model_len=64, enable_prefix_caching=False,
                          engine_kwargs={"async_scheduling": False, "max_logprobs": 7})
-    vc = engine.llm.llm_engine.vllm_config
-    assert vc.cache_config.enable_prefix_caching is False
-    assert vc.scheduler_config.async_scheduling is False and vc.model_config.max_logprobs == 7
+    assert engine.host_options() == {"enable_prefix_caching": False, "async_scheduling": False}
+    assert engine.llm.llm_engine.vllm_config.model_config.max_logprobs == 7
     checks.check_logprobs_match_trainer(engine, module, params, cfg.vocab_size)
 
 
