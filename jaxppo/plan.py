@@ -217,92 +217,97 @@ def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, wei
     return jax_limit, [x for x in limits if x > 0]
 
 
-def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int, int] | None = None) -> Plan:
-    """Compile the step's programs for `build` (a `jaxppo.build.Build`: engines and abstract states) and choose
-    the budgets and the vLLM / JAX split; raises ConfigError when nothing fits, saying what to change.
-    `prompt_lengths`: (shortest, longest) prompt of the data, in tokens (default: 1 and data.max_prompt_length)."""
+# one phase's search, run with the number of rungs it may compile at once: its phases, a function compiling their
+# final programs, and the budget it chose ({key: budget}; empty for a padded phase)
+Search = Callable[[Callable[[], int] | int], tuple[list[Phase], Callable[[], list[tuple[str, Memory, int]]],
+                                                   dict[str, int]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PhaseSearches:
+    """What every phase's search shares: the run's config and build, the data's lengths (P + R: the longest
+    sequence; the data's shortest and longest prompt), the ladder of budgets, the limits JAX's share may take (beside
+    the whole batch's KV cache, then vLLM in waves) and, for a refusal, the resident states and the margin."""
+
+    cfg: Any
+    build: Any
+    P: int
+    R: int
+    shortest: int
+    longest: int
+    rungs: list[int]
+    limits: list[int]
+    resident: int
+    margin: int
+
+    def search(self, names: tuple[str, ...], sub: Any, budget_key: str, given: int, seed: int, rows: int,
+               keys: tuple, programs: tuple[tuple[Callable[[dict, bool], Memory], int], ...]) -> Search:
+        """The search of the programs that share one budget key ((compile(batch, probe), resident argument bytes)
+        each): padded (no budget) or packed (the largest budget that fits, or `given`)."""
+        if not sub.use_dynamic_bsz:
+            return lambda width: self._padded(names, rows, keys, programs)
+        return lambda width: self._packed(names, budget_key, given, seed, rows, keys, programs, width)
+
+    def _padded(self, names, rows, keys, programs):
+        P, R = self.P, self.R
+        batch = _abstract_padded(self.build.actor, _with_keys(_fake_batch(rows, P, R, P), keys, R))
+        out = []
+        for n, (fn, resident_args) in zip(names, programs):
+            mem = fn(batch, True)
+            out.append(Phase(n, None, None, mem, mem.beside(resident_args), 1))
+        return out, lambda: [(n, fn(batch, False), r) for n, (fn, r) in zip(names, programs)], {}
+
+    def _packed(self, names, budget_key, given, seed, rows, keys, programs, width):
+        name, host = names[0], _with_keys(_fake_batch(rows, self.P, self.R, self.longest), keys, self.R)
+        probed: dict[int, list[Memory]] = {}
+        shapes: dict[int, tuple[int, int, int, int]] = {}  # each budget's packed shape key
+
+        def measure(budget: int, probe: bool) -> list[Memory]:
+            batch, shapes[budget] = _abstract_packed(self.build.actor, host, budget, budget_key, self.shortest)
+            return [fn(batch, probe) for fn, _ in programs]
+
+        def worst(mems: list[Memory]) -> int:
+            return max(m.beside(r) for m, (_, r) in zip(mems, programs))
+
+        def cost(budget: int) -> int:
+            if budget not in probed:  # compiled once, whichever search asks
+                t = time.perf_counter()
+                probed[budget] = measure(budget, True)
+                log.info("plan probe: %s at budget %d: %.2f GiB beside the states, compiled in %.1f s", name, budget,
+                         worst(probed[budget]) / GiB, time.perf_counter() - t)
+            return worst(probed[budget])
+
+        t0, rounds = time.perf_counter(), 0
+        if given > 0:
+            budget, tries = given, 1
+            cost(given)
+        else:
+            for limit in self.limits:  # beside the whole batch's KV cache, then vLLM in waves
+                budget, _, n_rounds = search_budget(cost, limit, self.rungs, seed, width)
+                rounds += n_rounds
+                if budget is not None:
+                    break
+            tries = len(probed)
+            if budget is None:  # the largest share JAX was offered (vLLM at its fewest sequences at once)
+                raise ConfigError(_refusal(self.cfg, self.build, name, budget_key, self.rungs[0], self.resident,
+                                           self.margin, self.resident + self.margin + self.limits[-1],
+                                           worst(probed[self.rungs[0]])))
+        took = time.perf_counter() - t0
+        out = [Phase(n, budget_key, budget, m, m.beside(r), tries, shapes[budget], rounds, took)
+               for n, m, (_, r) in zip(names, probed[budget], programs)]
+        return out, lambda: [(n, m, r) for n, m, (_, r) in zip(names, measure(budget, False), programs)], \
+            {budget_key: budget}
+
+
+def _phase_searches(cfg: Any, build: Any, searches: _PhaseSearches, seeds: Any) -> list[Search]:
+    """The step's phases as searches, one per budget key: the actor's forward (with the reference's, at its
+    budget), the critic's forward and update, the actor's update."""
     from jaxppo.step import update_keys
 
-    d, r = cfg.data, cfg.rollout
-    margin = int(cfg.trainer.memory_margin_gb * GiB)
-    states = build.state_bytes()
-    host = plan_host(build.host_state_bytes(), int(cfg.trainer.host_memory_gb * GiB) or None)  # 0: this host's own
-    host.check()
-    resident = sum(states.values())
-    vllm = r.engine == "vllm" and card is not None
-    step_seqs = d.train_batch_size * r.n
-    gen_seqs = generation_sequences(cfg)
-    weights, kv_seq = vllm_sizes(cfg, build.actor_cfg)
-    jax_limit, limits = _limits(cfg, card, states, margin, weights, kv_seq, gen_seqs, build.shards)
-
-    rows_step = step_seqs // jax.process_count()
-    seeds = memory.token_budgets(cfg, build.actor_cfg, build.critic_cfg, build.shards, card)
-    P, R = d.max_prompt_length, d.max_response_length
-    shortest, longest = prompt_lengths or (1, P)
-    rungs = ladder(P + R)
+    a, r, procs = cfg.actor, cfg.rollout, jax.process_count()
+    rows_step = cfg.data.train_batch_size * r.n // procs
     actor_keys, critic_keys = update_keys(cfg, build.ref is not None)
-    jobs: list[Callable[[int], tuple[list[Phase], Callable[[], list[tuple[str, Memory, int]]], dict[str, int]]]] = []
-
-    def plan_phase(names: tuple[str, ...], sub: Any, budget_key: str, given: int, seed: int, rows: int,
-                   keys: tuple, programs: tuple[tuple[Callable[[dict, bool], Memory], int], ...]) -> None:
-        """Plan the programs that share one budget key ((compile(batch, probe), resident argument bytes) each):
-        a job run below, with `width()` compiles at once, giving its phases, their final compile and its budget."""
-        name = names[0]
-        if not sub.use_dynamic_bsz:
-            def padded(width: Callable[[], int] | int):
-                batch = _abstract_padded(build.actor, _with_keys(_fake_batch(rows, P, R, P), keys, R))
-                out = []
-                for n, (fn, resident_args) in zip(names, programs):
-                    mem = fn(batch, True)
-                    out.append(Phase(n, None, None, mem, mem.beside(resident_args), 1))
-                return out, lambda: [(n, fn(batch, False), r) for n, (fn, r) in zip(names, programs)], {}
-            jobs.append(padded)
-            return
-        host = _with_keys(_fake_batch(rows, P, R, longest), keys, R)
-
-        def packed(width: Callable[[], int] | int):
-            probed: dict[int, list[Memory]] = {}
-            shapes: dict[int, tuple[int, int, int, int]] = {}  # each budget's packed shape key
-
-            def measure(budget: int, probe: bool) -> list[Memory]:
-                batch, shapes[budget] = _abstract_packed(build.actor, host, budget, budget_key, shortest)
-                return [fn(batch, probe) for fn, _ in programs]
-
-            def worst(mems: list[Memory]) -> int:
-                return max(m.beside(r) for m, (_, r) in zip(mems, programs))
-
-            def cost(budget: int) -> int:
-                if budget not in probed:  # compiled once, whichever search asks
-                    t = time.perf_counter()
-                    probed[budget] = measure(budget, True)
-                    log.info("plan probe: %s at budget %d: %.2f GiB beside the states, compiled in %.1f s", name, budget,
-                             worst(probed[budget]) / GiB, time.perf_counter() - t)
-                return worst(probed[budget])
-
-            t0, rounds = time.perf_counter(), 0
-            if given > 0:
-                budget, tries = given, 1
-                cost(given)
-            else:
-                for limit in limits:  # beside the whole batch's KV cache, then vLLM in waves
-                    budget, _, n_rounds = search_budget(cost, limit, rungs, seed, width)
-                    rounds += n_rounds
-                    if budget is not None:
-                        break
-                tries = len(probed)
-                if budget is None:  # the largest share JAX was offered (vLLM at its fewest sequences at once)
-                    raise ConfigError(_refusal(cfg, build, name, budget_key, rungs[0], resident, margin,
-                                               resident + margin + limits[-1], worst(probed[rungs[0]])))
-            took = time.perf_counter() - t0
-            out = [Phase(n, budget_key, budget, m, m.beside(r), tries, shapes[budget], rounds, took)
-                   for n, m, (_, r) in zip(names, probed[budget], programs)]
-            return out, lambda: [(n, m, r) for n, m, (_, r) in zip(names, measure(budget, False), programs)], \
-                {budget_key: budget}
-        jobs.append(packed)
-
-    a_state, a_frozen = build.actor_state, build.actor_frozen
-    a = cfg.actor
-    trunc = build.truncation
+    a_state, a_frozen, trunc = build.actor_state, build.actor_frozen, build.truncation
     forward = [("actor forward", (lambda b, probe: build.actor.compile_logprobs(a_state.params, a_frozen, b, False,
                                                                                  trunc, probe),
                                   device_bytes((a_state.params, a_frozen))))]
@@ -310,46 +315,71 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
         forward.append(("reference forward", (lambda b, probe: build.actor.compile_logprobs(build.ref, a_frozen, b,
                                                                                            probe=probe),
                                               device_bytes((build.ref, a_frozen)))))
-    plan_phase(tuple(n for n, _ in forward), a, "actor.log_prob_max_token_len_per_device",
-               a.log_prob_max_token_len_per_device, seeds.actor_forward, rows_step, (), tuple(p for _, p in forward))
+    out = [searches.search(tuple(n for n, _ in forward), a, "actor.log_prob_max_token_len_per_device",
+                           a.log_prob_max_token_len_per_device, seeds.actor_forward, rows_step, (),
+                           tuple(p for _, p in forward))]
     if build.critic is not None:
         c, c_state, c_frozen = cfg.critic, build.critic_state, build.critic_frozen
-        plan_phase(("critic forward",), c, "critic.forward_max_token_len_per_device",
-                   c.forward_max_token_len_per_device, seeds.critic_forward, rows_step, (),
-                   ((lambda b, probe: build.critic.compile_values(c_state.params, c_frozen, b, probe),
-                     device_bytes((c_state.params, c_frozen))),))
-        rows = c.ppo_mini_batch_size * r.n // jax.process_count()
-        plan_phase(("critic update",), c, "critic.ppo_max_token_len_per_device", c.ppo_max_token_len_per_device,
-                   seeds.critic_update, rows, critic_keys,
-                   ((lambda b, probe: build.critic.compile_update(c_state, b, c_frozen, probe=probe),
-                     device_bytes((c_state, c_frozen))),))
-    rows = a.ppo_mini_batch_size * r.n // jax.process_count()
+        out.append(searches.search(("critic forward",), c, "critic.forward_max_token_len_per_device",
+                                   c.forward_max_token_len_per_device, seeds.critic_forward, rows_step, (),
+                                   ((lambda b, probe: build.critic.compile_values(c_state.params, c_frozen, b, probe),
+                                     device_bytes((c_state.params, c_frozen))),)))
+        out.append(searches.search(("critic update",), c, "critic.ppo_max_token_len_per_device",
+                                   c.ppo_max_token_len_per_device, seeds.critic_update,
+                                   c.ppo_mini_batch_size * r.n // procs, critic_keys,
+                                   ((lambda b, probe: build.critic.compile_update(c_state, b, c_frozen, probe=probe),
+                                     device_bytes((c_state, c_frozen))),)))
     ref_in_update = build.ref if build.actor.full_kl else None
-    plan_phase(("actor update",), a, "actor.ppo_max_token_len_per_device", a.ppo_max_token_len_per_device,
-               seeds.actor_update, rows, actor_keys,
-               ((lambda b, probe: build.actor.compile_update(a_state, b, a_frozen, ref_in_update, probe),
-                 device_bytes((a_state, a_frozen, ref_in_update))),))
-    # the phases' searches at once, in threads (XLA compiles outside the GIL), each with its share of the threads:
-    # the searches still running share them, so the last ones (the updates') compile more rungs a round
+    out.append(searches.search(("actor update",), a, "actor.ppo_max_token_len_per_device",
+                               a.ppo_max_token_len_per_device, seeds.actor_update, a.ppo_mini_batch_size * r.n // procs,
+                               actor_keys,
+                               ((lambda b, probe: build.actor.compile_update(a_state, b, a_frozen, ref_in_update,
+                                                                             probe),
+                                 device_bytes((a_state, a_frozen, ref_in_update))),)))
+    return out
+
+
+def _run_searches(jobs: list[Search]) -> list:
+    """The phases' searches at once, in threads (XLA compiles outside the GIL), each with its share of the threads:
+    the searches still running share them, so the last ones (the updates') compile more rungs a round."""
     threads = plan_threads()
-    if threads > 1 and len(jobs) > 1:
-        from concurrent.futures import ThreadPoolExecutor
+    if threads <= 1 or len(jobs) <= 1:
+        return [job(max(1, min(MAX_SEARCH_WIDTH, threads))) for job in jobs]
+    from concurrent.futures import ThreadPoolExecutor
 
-        running = [len(jobs)]
-        lock = threading.Lock()
-        width = lambda: max(1, min(MAX_SEARCH_WIDTH, threads // running[0]))  # noqa: E731
+    running = [len(jobs)]
+    lock = threading.Lock()
+    width = lambda: max(1, min(MAX_SEARCH_WIDTH, threads // running[0]))  # noqa: E731
 
-        def until_done(job):
-            try:
-                return job(width)
-            finally:
-                with lock:
-                    running[0] -= 1
+    def until_done(job):
+        try:
+            return job(width)
+        finally:
+            with lock:
+                running[0] -= 1
 
-        with ThreadPoolExecutor(len(jobs), thread_name_prefix="jaxppo-plan") as ex:
-            results = [f.result() for f in [ex.submit(until_done, job) for job in jobs]]
-    else:
-        results = [job(max(1, min(MAX_SEARCH_WIDTH, threads))) for job in jobs]
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="jaxppo-plan") as ex:
+        return [f.result() for f in [ex.submit(until_done, job) for job in jobs]]
+
+
+def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int, int] | None = None) -> Plan:
+    """Compile the step's programs for `build` (a `jaxppo.build.Build`: engines and abstract states) and choose
+    the budgets and the vLLM / JAX split; raises ConfigError when nothing fits, saying what to change.
+    `prompt_lengths`: (shortest, longest) prompt of the data, in tokens (default: 1 and data.max_prompt_length)."""
+    d, r = cfg.data, cfg.rollout
+    margin = int(cfg.trainer.memory_margin_gb * GiB)
+    states = build.state_bytes()
+    host = plan_host(build.host_state_bytes(), int(cfg.trainer.host_memory_gb * GiB) or None)  # 0: this host's own
+    host.check()
+    resident = sum(states.values())
+    gen_seqs = generation_sequences(cfg)
+    weights, kv_seq = vllm_sizes(cfg, build.actor_cfg)
+    jax_limit, limits = _limits(cfg, card, states, margin, weights, kv_seq, gen_seqs, build.shards)
+    P, R = d.max_prompt_length, d.max_response_length
+    shortest, longest = prompt_lengths or (1, P)
+    searches = _PhaseSearches(cfg, build, P, R, shortest, longest, ladder(P + R), limits, resident, margin)
+    seeds = memory.token_budgets(cfg, build.actor_cfg, build.critic_cfg, build.shards, card)
+    results = _run_searches(_phase_searches(cfg, build, searches, seeds))
     phases = [ph for out, _, _ in results for ph in out]
     finals = [final for _, final, _ in results]
     chosen = {k: v for _, _, c in results for k, v in c.items()}
@@ -359,7 +389,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
         critic_update=chosen.get("critic.ppo_max_token_len_per_device", 0),
         critic_forward=chosen.get("critic.forward_max_token_len_per_device", 0))
     plan = Plan(states, phases, margin, card, jax_limit, None, budgets, finals, host)
-    if vllm:
+    if r.engine == "vllm" and card is not None:
         plan = _split(cfg, plan, weights, kv_seq, gen_seqs)
     check(cfg, plan)
     return plan
