@@ -299,11 +299,12 @@ class _PhaseSearches:
             {budget_key: budget}
 
 
-def _phase_searches(cfg: Any, build: Any, searches: _PhaseSearches, seeds: Any) -> list[Search]:
+def _phase_searches(searches: _PhaseSearches, seeds: Any) -> list[Search]:
     """The step's phases as searches, one per budget key: the actor's forward (with the reference's, at its
     budget), the critic's forward and update, the actor's update."""
     from jaxppo.step import update_keys
 
+    cfg, build = searches.cfg, searches.build
     a, r, procs = cfg.actor, cfg.rollout, jax.process_count()
     rows_step = cfg.data.train_batch_size * r.n // procs
     actor_keys, critic_keys = update_keys(cfg, build.ref is not None)
@@ -379,7 +380,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     shortest, longest = prompt_lengths or (1, P)
     searches = _PhaseSearches(cfg, build, P, R, shortest, longest, ladder(P + R), limits, resident, margin)
     seeds = memory.token_budgets(cfg, build.actor_cfg, build.critic_cfg, build.shards, card)
-    results = _run_searches(_phase_searches(cfg, build, searches, seeds))
+    results = _run_searches(_phase_searches(searches, seeds))
     phases = [ph for out, _, _ in results for ph in out]
     finals = [final for _, final, _ in results]
     chosen = {k: v for _, _, c in results for k, v in c.items()}

@@ -36,7 +36,7 @@ class Sampling:
 
 
 # vLLM engine arguments jaxppo sets itself, each with the key that sets it (or why jaxppo decides it): refused in
-# `rollout.engine_kwargs.vllm` (the config check says which)
+# `rollout.engine_kwargs.vllm` (`own_engine_arg`: at the config's load, and by the engine for its other callers)
 VLLM_OWN_ARGS: dict[str, str] = {
     "model": "vLLM gets the weights from JAX (model.path)",
     "load_format": "the weights are pushed from JAX",
@@ -59,6 +59,14 @@ VLLM_OWN_ARGS: dict[str, str] = {
     "data_parallel_size": "each training process runs its own vLLM replica",
     "distributed_executor_backend": "vLLM runs in the trainer's process",
 }
+
+
+def own_engine_arg(kwargs: Iterable[str]) -> str | None:
+    """The refusal of the first of `rollout.engine_kwargs.vllm`'s names that jaxppo sets itself, or None."""
+    for key in kwargs:
+        if key in VLLM_OWN_ARGS:
+            return f"rollout.engine_kwargs.vllm.{key}: jaxppo sets it; {VLLM_OWN_ARGS[key]}"
+    return None
 
 
 @dataclasses.dataclass

@@ -33,7 +33,7 @@ from bridge.push import DirectCopy, PlanError
 from jaxppo.errors import ConfigError
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights
-from jaxppo.rollout import VLLM_OWN_ARGS, Rollouts, Sampling, pack_responses
+from jaxppo.rollout import Rollouts, Sampling, own_engine_arg, pack_responses
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,11 @@ def checked_engine_kwargs(extra: dict[str, Any]) -> dict[str, Any]:
 
     from vllm.engine.arg_utils import EngineArgs
 
+    refusal = own_engine_arg(extra)
+    if refusal:
+        raise ConfigError(refusal)
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     for key in extra:
-        if key in VLLM_OWN_ARGS:
-            raise ConfigError(f"rollout.engine_kwargs.vllm.{key}: jaxppo sets it; {VLLM_OWN_ARGS[key]}")
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3)
             raise ConfigError(f"rollout.engine_kwargs.vllm.{key}: not an argument of this vLLM's EngineArgs"

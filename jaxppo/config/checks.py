@@ -274,11 +274,11 @@ def _check_vllm_scheduler(cfg: Config) -> None:
            "rollout.max_num_seqs and rollout.max_num_batched_tokens must be >= 0 (0: vLLM's default)")
     _check(r.cudagraph_capture_sizes is None or all(int(b) >= 1 for b in r.cudagraph_capture_sizes),
            f"rollout.cudagraph_capture_sizes: decode batch sizes >= 1, got {r.cudagraph_capture_sizes}")
-    from jaxppo.rollout import VLLM_OWN_ARGS
+    from jaxppo.rollout import own_engine_arg
 
-    for key in r.engine_kwargs.vllm:
-        _check(key not in VLLM_OWN_ARGS,
-               f"rollout.engine_kwargs.vllm.{key}: jaxppo sets it; {VLLM_OWN_ARGS.get(key)}")
+    refusal = own_engine_arg(r.engine_kwargs.vllm)
+    if refusal:
+        raise ConfigError(refusal)
     tokens, longest = r.max_num_batched_tokens, d.max_prompt_length + d.max_response_length
     if tokens:
         from jaxppo.plan import vllm_max_seqs  # what the plan sizes vLLM for: the key, else vLLM's default
