@@ -20,6 +20,7 @@ from jaxppo.models.lora import LoraSpec, is_adapter, spec_from
 from jaxppo.programs import device_bytes
 from jaxppo.setup import DTYPES, attention_impl
 from jaxppo.sharding import param_shardings
+from jaxppo.step import old_from_update
 
 
 @dataclasses.dataclass
@@ -136,6 +137,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
     actor.optimizer_offload = a.optimizer_offload  # before the state's shardings are made (jaxppo/offload.py)
     # verl's bypass mode: the policy loss corrects the rollout's gap itself (jaxppo/ppo/bypass.py)
     actor.bypass = cfg.algorithm.rollout_correction if cfg.algorithm.rollout_correction.bypass_mode else None
+    # one update a step from the weights that sampled: no forward pass for the old log-probs (jaxppo/step.py)
+    actor.old_from_update = old_from_update(cfg)
     actor_state, actor_frozen = actor.abstract_state(abstract_of(module, mesh))
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:

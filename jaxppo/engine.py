@@ -394,6 +394,7 @@ class ActorEngine(_Base):
         self.cfg = cfg
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts: plain log-probs
         self.bypass = None  # algorithm.rollout_correction in verl's bypass mode: the loss of jaxppo/ppo/bypass.py
+        self.old_from_update = False  # the old log-probs are this update's own, detached (jaxppo/step.py)
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
                          cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype, trainable)
 
@@ -451,11 +452,12 @@ class ActorEngine(_Base):
         ref_full = self.full(ref, frozen) if (self.full_kl and ref is not None) else None
         out = self._head(self.full(params, frozen), mb, ref_params=ref_full)
         logprob, entropy = out["logprobs"], out["entropy"]
+        old = jax.lax.stop_gradient(logprob) if self.old_from_update else mb["old_logprobs"]
         if self.bypass is not None:  # old_logprobs are the rollout's; the correction is computed here
-            pg_loss, metrics = bypass_policy_loss(self.bypass, mb["old_logprobs"], logprob, mb["advantages"], mask, c,
+            pg_loss, metrics = bypass_policy_loss(self.bypass, old, logprob, mb["advantages"], mask, c,
                                                   c.loss_agg_mode, segment=mb.get("slot_segment"), **norm)
         else:
-            pg_loss, metrics = compute_policy_loss(c.policy_loss.loss_mode, mb["old_logprobs"], logprob,
+            pg_loss, metrics = compute_policy_loss(c.policy_loss.loss_mode, old, logprob,
                                                    mb["advantages"], mask, c, c.loss_agg_mode,
                                                    is_weights=mb.get("is_weights"), segment=mb.get("slot_segment"),
                                                    **norm)

@@ -132,6 +132,7 @@ class Finding:
 @dataclass
 class HealthMonitor:
     cfg: HealthConfig
+    single_update: bool = False  # one actor update a step: its actor/ppo_kl is taken before its only gradient
     firing: dict[str, bool] = field(default_factory=dict)
     healthy_run: dict[str, int] = field(default_factory=dict)
     findings: int = 0
@@ -152,6 +153,8 @@ class HealthMonitor:
                 continue  # reported by `nonfinite`
             if name == "explained_var" and not self.explained_var_seen:
                 continue  # a critic that never explained the returns has nothing to collapse from
+            if name == "ppo_kl_low" and self.single_update:
+                continue  # the KL between the weights that sampled and themselves: 0 whether the policy moves or not
             if (v > rule.threshold) if spec.above else (v < rule.threshold):
                 return key, v
         return None

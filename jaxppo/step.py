@@ -381,6 +381,27 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
     return out, metrics
 
 
+def old_logprobs(ctx: StepContext, state: PPOState, ro: Rollouts, rmask: np.ndarray, a_in: Any, a_out: Callable,
+                 step: int, timer: Timer) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """The old policy's log-probs of the sampled tokens, the trainer's under the engine's sampling distribution
+    and the engine's own (the last two for the rollout/* mismatch metrics; NaN where unknown): in bypass mode the
+    engine's are the old policy's; where the update gives them itself (`old_from_update`) none, unless the engine
+    returned its own this step (the metrics compare them); else the actor's forward pass."""
+    cfg = ctx.cfg
+    if rollout_corr.bypass(cfg):  # verl's bypass mode: the policy that sampled is the old policy, not recomputed
+        if ro.logprobs is None or not np.isfinite(ro.logprobs[rmask > 0]).all():
+            raise RuntimeError("algorithm.rollout_correction.bypass_mode: the rollout engine returned no log-probs")
+        old_lp = ro.logprobs.astype(np.float32)
+        return old_lp, old_lp, np.full_like(old_lp, np.nan)  # no trainer's log-probs: no gap to report
+    if old_from_update(cfg) and not rollout_sampling(cfg, None, step).logprobs:
+        return None, np.full(rmask.shape, np.nan, np.float32), ro.logprobs
+    with timer("old_log_prob"):
+        out = ctx.actor.logprobs(state.actor.params, a_in, truncation=ctx.truncation)
+        old_lp = a_out(out[0])
+        sampling_lp = a_out(out[2]) if ctx.truncation else old_lp
+    return old_lp, sampling_lp, ro.logprobs
+
+
 def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: int, timer: Timer,
             interrupt: Callable[[], None] = lambda: None,
             draw: Callable[[], np.ndarray] | None = None,
@@ -400,17 +421,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: in
     rmask = batch["response_mask"]
     a_in, a_out = forward_input(ctx.actor, cfg.actor.use_dynamic_bsz, budgets.actor_forward, batch,
                                 "actor.log_prob_max_token_len_per_device")
-    rollout_lp = ro.logprobs
-    if rollout_corr.bypass(cfg):  # verl's bypass mode: the policy that sampled is the old policy, not recomputed
-        if ro.logprobs is None or not np.isfinite(ro.logprobs[rmask > 0]).all():
-            raise RuntimeError("algorithm.rollout_correction.bypass_mode: the rollout engine returned no log-probs")
-        old_lp = sampling_lp = ro.logprobs.astype(np.float32)
-        rollout_lp = np.full_like(old_lp, np.nan)  # no trainer's log-probs: no gap to report (rollout/* metrics)
-    else:
-        with timer("old_log_prob"):
-            out = ctx.actor.logprobs(state.actor.params, a_in, truncation=ctx.truncation)
-            old_lp = a_out(out[0])
-            sampling_lp = a_out(out[2]) if ctx.truncation else old_lp
+    old_lp, sampling_lp, rollout_lp = old_logprobs(ctx, state, ro, rmask, a_in, a_out, step, timer)
     ref_lp = None
     if state.ref_params is not None and needs_ref_logprobs(cfg):
         with timer("ref"):
@@ -427,7 +438,9 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: in
         state, rewards, adv, ret, kl_metrics = advantages(ctx, state, token_scores, old_lp, ref_lp, values, rmask,
                                                           ro.prompt_index + mine.start,
                                                           reward_counts.get("reward_baseline"))
-    batch.update(old_logprobs=old_lp, advantages=adv)
+    batch.update(advantages=adv)
+    if not old_from_update(cfg):
+        batch["old_logprobs"] = old_lp
     if ref_lp is not None:
         batch["ref_logprobs"] = ref_lp
     if cfg.actor.tis_threshold is not None:
@@ -476,10 +489,22 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: in
     return state, Experience(batch, cbatch, metrics, lengths, g["lengths"])
 
 
+def old_from_update(cfg: Config) -> bool:
+    """Whether the actor's update takes the old policy's log-probs from its own forward pass (detached) instead of
+    a forward pass of their own before it: the step's one update (`actor.ppo_epochs` = 1, one mini-batch) starts
+    from the weights that sampled, so the old policy is the current one and the PPO ratio is 1 at its only
+    gradient, as recomputed (up to rounding); and nothing before the update reads them (no KL in the reward, no
+    rollout correction or truncated IS, which compare them with the engine's; synchronous rollouts)."""
+    a, rc = cfg.actor, cfg.algorithm.rollout_correction
+    return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
+            and not cfg.algorithm.use_kl_in_reward and a.tis_threshold is None and not rollout_corr.enabled(cfg)
+            and not rc.bypass_mode and not cfg.trainer.async_rollout)
+
+
 def update_keys(cfg: Config, has_ref: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The per-token arrays the actor's and the critic's update batches carry beside the sequences (what `collect`
     puts there; the memory plan compiles the updates for them)."""
-    actor = ["old_logprobs", "advantages"]
+    actor = ["advantages"] if old_from_update(cfg) else ["old_logprobs", "advantages"]
     if has_ref and needs_ref_logprobs(cfg):
         actor.append("ref_logprobs")
     rc = cfg.algorithm.rollout_correction
@@ -571,5 +596,6 @@ def perf_metrics(ctx: StepContext, times: dict[str, float], exp: Experience, pea
     return m
 
 
-__all__ = ["update_keys", "needs_ref_logprobs", "Timer", "PPOState", "StepContext", "Experience", "awake", "decode", "sample", "collect", "update",
-           "score", "advantages", "perf_metrics"]
+__all__ = ["update_keys", "old_from_update", "old_logprobs", "needs_ref_logprobs", "Timer", "PPOState",
+           "StepContext", "Experience", "awake", "decode", "sample", "collect", "update", "score", "advantages",
+           "perf_metrics"]

@@ -114,7 +114,8 @@ class PPOTrainer:
         reward_workers = resolve_workers(cfg.reward.num_workers)
         if reward_workers:  # spawned now: their imports overlap with the rest of setup
             reward_pool(reward_workers).start()
-        self.health = HealthMonitor(t.health)
+        self.health = HealthMonitor(t.health, single_update=cfg.actor.ppo_epochs == 1
+                                    and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size)
         self.step = 0
         self.bad_steps = 0  # consecutive steps with NaN/inf
         self.best_val: float | None = None

@@ -219,6 +219,13 @@ def test_health_monitor_reports_once_per_episode():
         firing.append(m.get("health/logprob_mismatch"))
     assert firing == [1, None, None, None, 1, None, 0, 0, 1]
     assert mon.findings == 2  # one episode until two measured healthy steps, then a second
+    # one actor update a step: its actor/ppo_kl is the KL of the weights that sampled against themselves (0
+    # however far the update moves them), so "barely moving" is not judged from it; "too far" still is
+    for single, fires in ((False, True), (True, False)):
+        m = {"actor/ppo_kl": 0.0}
+        assert any(f.rule == "ppo_kl_low" for f in HealthMonitor(HealthConfig(), single).report(m)) == fires
+    m = {"actor/ppo_kl": 0.2}
+    assert [f.rule for f in HealthMonitor(HealthConfig(), single_update=True).report(m)] == ["ppo_kl_high"]
 
 
 @pytest.mark.slow

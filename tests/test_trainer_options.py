@@ -298,6 +298,69 @@ def test_bypass_mode_trains_on_the_engines_log_probs_without_recomputing_them(ex
     assert metrics["actor/ppo_kl"] != 0.0  # the ratio is against the policy that sampled, not the trainer's
 
 
+def test_one_update_a_step_takes_the_old_log_probs_from_its_own_forward_pass(tmp_path, one_device, monkeypatch,
+                                                                             caplog):
+    """`actor.ppo_epochs` = 1 and one mini-batch, nothing reading the old log-probs before the update (GRPO, no KL
+    in the reward, no rollout correction): the trainer runs no forward pass for them except on the steps the
+    engine returns its log-probs (the rollout/* metrics and the health rule compare the two), the update batch
+    carries none, the PPO ratio is 1 (ppo_kl and the clip fractions exactly 0; the health rule for a policy barely
+    moving does not read it), and the run ends where the same run recomputing them ends (fp32, the same samples:
+    the weights within 1e-5; bit-equal on CPU)."""
+    import jaxppo.build
+    from jaxppo.engine import ActorEngine
+    from jaxppo.train import make_engine_factory
+
+    reward = tmp_path / "distinct.py"  # a score a random model's samples differ in: advantages that move the weights
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return len(set(solution_str)) / 10.0\n")
+
+    def run(name, skip):
+        forwards, batches = [], []
+        monkeypatch.setattr(ppo_step, "old_from_update", lambda cfg: skip)
+        monkeypatch.setattr(jaxppo.build, "old_from_update", lambda cfg: skip)
+        logprobs, update = ActorEngine.logprobs, ActorEngine.update
+        monkeypatch.setattr(ActorEngine, "logprobs", lambda *a, **kw: forwards.append(1) or logprobs(*a, **kw))
+        monkeypatch.setattr(ActorEngine, "update",
+                            lambda self, st, mb, *a, **kw: batches.append((self.old_from_update, sorted(mb)))
+                            or update(self, st, mb, *a, **kw))
+        cfg = load_config(ROOT / "configs" / "default_grpo.yaml",
+                          [f"trainer.default_local_dir={tmp_path / name}", *FAST, "trainer.sft_warmup_steps=0",
+                           "trainer.total_training_steps=3", "trainer.test_freq=-1", "actor.use_kl_loss=false",
+                           "actor.ppo_mini_batch_size=8", "model.dtype=float32", "actor.optim.lr_warmup_steps=0",
+                           f"custom_reward_function.path={reward}", "reward.num_workers=0"])
+        assert ppo_step.update_keys(cfg, False)[0] == (("advantages",) if skip else ("old_logprobs", "advantages"))
+        with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+            before = jax.device_get(trainer.state.actor.params)
+            trainer.fit()
+            params = jax.device_get(trainer.state.actor.params)
+        moved = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, before)))
+        assert moved > 1e-3, moved  # three updates moved the weights
+        return forwards, batches, read_metrics(tmp_path / name), params
+
+    cfg = load_config(ROOT / "configs" / "default_grpo.yaml", [*FAST, "actor.ppo_mini_batch_size=8"])
+    assert ppo_step.old_from_update(cfg)  # the rule itself, before the runs replace it
+    for extra in (["actor.ppo_mini_batch_size=4"], ["actor.ppo_epochs=2"], ["algorithm.use_kl_in_reward=true"],
+                  ["actor.tis_threshold=2.0"], ["algorithm.rollout_correction.rollout_is=token"],
+                  ["algorithm.rollout_correction.bypass_mode=true"], ["trainer.async_rollout=true"]):
+        assert not ppo_step.old_from_update(load_config(ROOT / "configs" / "default_grpo.yaml",
+                                                        [*FAST, "actor.ppo_mini_batch_size=8", *extra])), extra
+    forwards, batches, metrics, params = run("skip", True)
+    assert len(forwards) == 1  # step 1's, the step the engine returned its log-probs on (every 8th from the first)
+    assert batches and all(flag and "old_logprobs" not in keys for flag, keys in batches)
+    assert "timing_s/old_log_prob" in metrics[1] and "rollout/logprob_diff_mean" in metrics[1]
+    for s in (2, 3):
+        assert "timing_s/old_log_prob" not in metrics[s] and "rollout/logprob_diff_mean" not in metrics[s]
+    for s in (1, 2, 3):
+        assert metrics[s]["actor/ppo_kl"] == 0.0 and metrics[s]["actor/pg_clipfrac"] == 0.0, metrics[s]
+    assert "barely moving" not in caplog.text  # the health rule does not read a KL that is 0 by construction
+    forwards, batches, again, recomputed = run("recompute", False)
+    assert len(forwards) == 3 and all(not flag and "old_logprobs" in keys for flag, keys in batches)
+    for s in (1, 2, 3):
+        assert again[s]["critic/score/mean"] == metrics[s]["critic/score/mean"]  # the same samples
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, recomputed))
+    assert max(diffs) < 1e-5, max(diffs)
+
+
 def test_bypass_mode_refuses_what_it_does_not_do(tmp_path, capsys):
     from jaxppo.train import main
 
