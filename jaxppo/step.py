@@ -393,7 +393,7 @@ def old_logprobs(ctx: StepContext, state: PPOState, ro: Rollouts, rmask: np.ndar
             raise RuntimeError("algorithm.rollout_correction.bypass_mode: the rollout engine returned no log-probs")
         old_lp = ro.logprobs.astype(np.float32)
         return old_lp, old_lp, np.full_like(old_lp, np.nan)  # no trainer's log-probs: no gap to report
-    if old_from_update(cfg) and not rollout_sampling(cfg, None, step).logprobs:
+    if ctx.actor.old_from_update and not rollout_sampling(cfg, None, step).logprobs:
         return None, np.full(rmask.shape, np.nan, np.float32), ro.logprobs
     with timer("old_log_prob"):
         out = ctx.actor.logprobs(state.actor.params, a_in, truncation=ctx.truncation)
@@ -439,7 +439,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: in
                                                           ro.prompt_index + mine.start,
                                                           reward_counts.get("reward_baseline"))
     batch.update(advantages=adv)
-    if not old_from_update(cfg):
+    if not ctx.actor.old_from_update:  # else the update's loss takes them from its own forward pass
         batch["old_logprobs"] = old_lp
     if ref_lp is not None:
         batch["ref_logprobs"] = ref_lp
@@ -489,16 +489,19 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: in
     return state, Experience(batch, cbatch, metrics, lengths, g["lengths"])
 
 
+def single_update(cfg: Config) -> bool:
+    """The step makes one actor update: `actor.ppo_epochs` = 1 and one mini-batch."""
+    return cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+
+
 def old_from_update(cfg: Config) -> bool:
     """Whether the actor's update takes the old policy's log-probs from its own forward pass (detached) instead of
     a forward pass of their own before it: the step's one update (`actor.ppo_epochs` = 1, one mini-batch) starts
     from the weights that sampled, so the old policy is the current one and the PPO ratio is 1 at its only
     gradient, as recomputed (up to rounding); and nothing before the update reads them (no KL in the reward, no
     rollout correction or truncated IS, which compare them with the engine's; synchronous rollouts)."""
-    a, rc = cfg.actor, cfg.algorithm.rollout_correction
-    return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
-            and not cfg.algorithm.use_kl_in_reward and a.tis_threshold is None and not rollout_corr.enabled(cfg)
-            and not rc.bypass_mode and not cfg.trainer.async_rollout)
+    return (single_update(cfg) and not cfg.algorithm.use_kl_in_reward and cfg.actor.tis_threshold is None
+            and not rollout_corr.enabled(cfg) and not rollout_corr.bypass(cfg) and not cfg.trainer.async_rollout)
 
 
 def update_keys(cfg: Config, has_ref: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -596,6 +599,6 @@ def perf_metrics(ctx: StepContext, times: dict[str, float], exp: Experience, pea
     return m
 
 
-__all__ = ["update_keys", "old_from_update", "old_logprobs", "needs_ref_logprobs", "Timer", "PPOState",
-           "StepContext", "Experience", "awake", "decode", "sample", "collect", "update", "score", "advantages",
-           "perf_metrics"]
+__all__ = ["update_keys", "single_update", "old_from_update", "old_logprobs", "needs_ref_logprobs", "Timer",
+           "PPOState", "StepContext", "Experience", "awake", "decode", "sample", "collect", "update", "score",
+           "advantages", "perf_metrics"]

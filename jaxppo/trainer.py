@@ -40,7 +40,7 @@ from jaxppo.perf import device_peak_flops, flops_model, gc_clock
 from jaxppo.rollout import RolloutEngine
 from jaxppo.setup import (DTYPES, check_warm_model, engine_dtype, lock_run_dir, make_run_dir, prepare_model_dir,
                           truncate_metrics, write_atomic)
-from jaxppo.step import PPOState, StepContext, Timer
+from jaxppo.step import PPOState, StepContext, Timer, single_update
 from jaxppo.warmstart import sft_warm_start
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,7 @@ class PPOTrainer:
         reward_workers = resolve_workers(cfg.reward.num_workers)
         if reward_workers:  # spawned now: their imports overlap with the rest of setup
             reward_pool(reward_workers).start()
-        self.health = HealthMonitor(t.health, single_update=cfg.actor.ppo_epochs == 1
-                                    and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size)
+        self.health = HealthMonitor(t.health, single_update=single_update(cfg))
         self.step = 0
         self.bad_steps = 0  # consecutive steps with NaN/inf
         self.best_val: float | None = None
