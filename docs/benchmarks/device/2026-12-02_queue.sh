@@ -34,8 +34,9 @@ queue() {
   # 256 (rollout.max_num_seqs): vLLM captures decode CUDA graphs up to 512 sequences, and at 8f64328 the config's
   # generation took 16.9 s (2 waves of ~1005) against 1.8 s for the 1.5B PPO config's 256
   # engines05*: the 0.5B config's generation (256 x 256 tokens, no log-probs, max_model_len 768, prefix caching and
-  # asynchronous scheduling off: the loop's vLLM options) split over 1, 2 and 4 vLLM engines, each in its own process
-  # (scripts/bench_vllm_engines.py); engines05_mps: the same under CUDA MPS (kernels of the processes at once, not
+  # asynchronous scheduling off) split over 1, 2 and 4 vLLM engines, each in its own process
+  # (scripts/bench_vllm_engines.py); engines05_async: 2 then 1 engines with vLLM's asynchronous scheduling (its default,
+  # the trainer's, and standalone's best at ea0f402); engines05_mps: the same under CUDA MPS (kernels of the processes at once, not
   # time-sliced), the daemon started for that job and stopped after it
   local P="$PY scripts/bench_ppo_step.py"
   cat <<EOF
@@ -64,6 +65,7 @@ knobs05_sync|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 2
 knobs05_noprefix|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/knobs05_noprefix.json --workdir $Q/w/knobs
 knobs05_sync_noprefix|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/knobs05_sync_noprefix.json --workdir $Q/w/knobs
 engines05|$PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 1,2,4 --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/engines05.json --workdir $Q/w/engines05
+engines05_async|$PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 2,1 --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/engines05_async.json --workdir $Q/w/engines05
 engines05_mps|export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d && $PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 1,2,4 --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/engines05_mps.json --workdir $Q/w/engines05; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc
 sampling05_n5|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 5 --tokens 256 --repeats 4 --profile-way no_logprobs --ledger $Q/results.jsonl --json-out $Q/sampling05_n5.json --workdir $Q/w/sampling05_n5
 EOF
