@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 VLLM_OVERHEAD = 2 * GiB  # vLLM beside weights and KV cache: CUDA graphs, the profile run's activations, sampler
 VLLM_MAX_SEQS = 1024  # sequences vLLM schedules at once at most (its default max_num_seqs on large GPUs)
+ENGINE_CONTEXT = GiB // 2  # an engine process's own CUDA context and workspaces (rollout.engine_processes > 1)
 
 
 def vllm_max_seqs(cfg: Any) -> int:
@@ -76,11 +77,26 @@ class VllmShare:
     generation_sequences: int  # sequences one generation call asks for: the step's, or a dynamic-sampling round's
     utilization: float  # what vLLM is started with (its share as a fraction of the card)
     round: bool = False  # generation_sequences is a round of dynamic sampling (algorithm.filter_groups)
-    max_seqs: int = VLLM_MAX_SEQS  # what vLLM's scheduler runs at once at most (rollout.max_num_seqs)
+    max_seqs: int = VLLM_MAX_SEQS  # what vLLM's schedulers run at once at most (rollout.max_num_seqs each)
+    engines: int = 1  # vLLM engines, each in its own process (rollout.engine_processes)
+
+    @property
+    def fixed(self) -> int:
+        """What vLLM's share holds beside its KV caches and one engine's graphs and activations."""
+        return vllm_fixed(self.weights, self.engines)
 
     @property
     def minimum(self) -> int:
-        return self.weights + VLLM_OVERHEAD + self.kv_per_sequence
+        return self.fixed + VLLM_OVERHEAD + self.kv_per_sequence * self.engines
+
+    @property
+    def engine_utilization(self) -> float:
+        """What each engine is started with: the share, less the shared copy of the pushed weights and the other
+        engines' CUDA contexts, split evenly (one engine: the share)."""
+        if self.engines == 1:
+            return self.utilization
+        each = (self.bytes - self.weights - (self.engines - 1) * ENGINE_CONTEXT) / self.engines
+        return self.utilization * max(each, 0) / max(self.bytes, 1)
 
 
 @dataclasses.dataclass
@@ -161,8 +177,11 @@ class Plan:
             v = self.vllm
             waves = -(-v.generation_sequences // max(min(v.sequences, v.max_seqs), 1))
             capped = f" (vLLM's max_num_seqs: {v.max_seqs} at most)" if v.max_seqs < v.sequences else ""
-            lines.append(f"  {'vLLM share':<42}{gb(v.bytes)}  (gpu_memory_utilization {v.utilization:.3f}: weights "
-                         f"{v.weights / GiB:.1f} GiB + ~{VLLM_OVERHEAD / GiB:.0f} GiB graphs / activations + KV cache "
+            engines = "weights " if v.engines == 1 else (
+                f"{v.engines} engine processes at {v.engine_utilization:.3f} each; weights x {v.engines}, their "
+                f"shared copy, the other engines' graphs and contexts ")
+            lines.append(f"  {'vLLM share':<42}{gb(v.bytes)}  (gpu_memory_utilization {v.utilization:.3f}: {engines}"
+                         f"{v.fixed / GiB:.1f} GiB + ~{VLLM_OVERHEAD / GiB:.0f} GiB graphs / activations + KV cache "
                          f"for {v.sequences} max-length sequences at once{capped}; "
                          f"{'a generation round' if v.round else 'the step'}'s {v.generation_sequences} run in "
                          f"{waves} wave{'s' if waves > 1 else ''})")
@@ -170,6 +189,15 @@ class Plan:
 
 
 # ------------------------------------------------------------------ the plan
+
+
+def vllm_fixed(weights: int, engines: int) -> int:
+    """vLLM's bytes beside its KV caches and one engine's graphs and activations (VLLM_OVERHEAD): its weights; with
+    several engine processes each one's weights, the shared copy they load pushed weights from, and each further
+    engine's graphs, activations and CUDA context."""
+    if engines == 1:
+        return weights
+    return engines * weights + weights + (engines - 1) * (VLLM_OVERHEAD + ENGINE_CONTEXT)
 
 
 def vllm_sizes(cfg: Any, model: Any) -> tuple[int, int]:
@@ -180,7 +208,7 @@ def vllm_sizes(cfg: Any, model: Any) -> tuple[int, int]:
     return int(model.num_params() * s), int(kv_per_token * seq)
 
 
-def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, weights: int, kv_seq: int,
+def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, fixed: int, kv_seq: int,
             gen_seqs: int, shards: int) -> tuple[int | None, list[int | None]]:
     """(JAX's share when fixed: an explicit split, or no vLLM; the room beside the states that a packed phase's
     budget is searched in, in turn). With an automatic split: beside room for the KV cache of a whole generation
@@ -191,21 +219,22 @@ def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, wei
     resident = sum(states.values())
     vllm = r.engine == "vllm" and card is not None
     usable = None if card is None else int((1.0 - memory.MARGIN) * card)
+    at_once = vllm_max_seqs(cfg) * r.engine_processes  # each engine's scheduler runs max_num_seqs at most
     if vllm and r.gpu_memory_utilization > 0:
         jax_limit = search_limit = int((1.0 - r.gpu_memory_utilization - memory.MARGIN) * card)
     elif vllm:  # automatic: room for vLLM to run every sequence of the step at once if the card allows
         jax_limit = None
-        search_limit = usable - (weights + VLLM_OVERHEAD + kv_seq * min(gen_seqs, vllm_max_seqs(cfg)))
+        search_limit = usable - (fixed + VLLM_OVERHEAD + kv_seq * min(gen_seqs, at_once))
     elif card is not None:
         jax_limit = search_limit = int(memory.jax_fraction() * card) if cfg.trainer.device_memory_gb <= 0 else card
     else:
         return None, [None]
     limits = [search_limit - resident - margin]
     if vllm and r.gpu_memory_utilization == 0:
-        seqs = min(gen_seqs, vllm_max_seqs(cfg))
+        seqs = min(gen_seqs, at_once)
         while seqs > 1:
             seqs = -(-seqs // 2)
-            limits.append(usable - (weights + VLLM_OVERHEAD + kv_seq * seqs) - resident - margin)
+            limits.append(usable - (fixed + VLLM_OVERHEAD + kv_seq * seqs) - resident - margin)
     if max(limits) <= 0:  # the states alone do not fit: nothing to compile
         largest = resident + margin + max(limits)
         plan = Plan(states, [], margin, card, jax_limit if jax_limit is not None else largest, None,
@@ -375,7 +404,8 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     resident = sum(states.values())
     gen_seqs = generation_sequences(cfg)
     weights, kv_seq = vllm_sizes(cfg, build.actor_cfg)
-    jax_limit, limits = _limits(cfg, card, states, margin, weights, kv_seq, gen_seqs, build.shards)
+    fixed = vllm_fixed(weights, cfg.rollout.engine_processes)
+    jax_limit, limits = _limits(cfg, card, states, margin, fixed, kv_seq, gen_seqs, build.shards)
     P, R = d.max_prompt_length, d.max_response_length
     shortest, longest = prompt_lengths or (1, P)
     searches = _PhaseSearches(cfg, build, P, R, shortest, longest, ladder(P + R), limits, resident, margin)
@@ -496,10 +526,11 @@ def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, gen_seqs: int, held:
         share = int((1.0 - memory.MARGIN) * card) - (held if held is not None else plan.need)
         jax_limit = plan.need
         u = max(share, 0) / card
-    held = max(share - weights - VLLM_OVERHEAD, 0) // max(kv_seq, 1)
+    engines = cfg.rollout.engine_processes
+    held = max(share - vllm_fixed(weights, engines) - VLLM_OVERHEAD, 0) // max(kv_seq, 1)
     return dataclasses.replace(plan, jax_limit=jax_limit,
                                vllm=VllmShare(share, weights, kv_seq, int(held), gen_seqs, float(u),
-                                              cfg.algorithm.filter_groups.enable, vllm_max_seqs(cfg)))
+                                              cfg.algorithm.filter_groups.enable, vllm_max_seqs(cfg) * engines, engines))
 
 
 def check(cfg: Any, plan: Plan) -> None:

@@ -37,6 +37,7 @@ def make_engine_factory(cfg):
                            enable_chunked_prefill=cfg.rollout.enable_chunked_prefill,
                            enable_prefix_caching=cfg.rollout.enable_prefix_caching,
                            engine_kwargs=cfg.rollout.engine_kwargs.vllm, seed=cfg.trainer.seed,
+                           engine_processes=cfg.rollout.engine_processes,
                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
 
     return factory

@@ -157,9 +157,10 @@ class PPOTrainer:
 
     @property
     def vllm_utilization(self) -> float:
-        """What vLLM is started with: the plan's split (automatic: the card beside JAX's need), or the config's."""
+        """What vLLM is started with (each engine, with rollout.engine_processes > 1): the plan's split (automatic: the
+        card beside JAX's need), or the config's."""
         v = self.plan.vllm
-        return v.utilization if v is not None else (self.cfg.rollout.gpu_memory_utilization or 0.5)
+        return v.engine_utilization if v is not None else (self.cfg.rollout.gpu_memory_utilization or 0.5)
 
     @property
     def val_ds(self):

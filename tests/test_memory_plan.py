@@ -334,6 +334,40 @@ def test_vllm_is_sized_for_the_sequences_its_scheduler_runs_at_once(tmp_path, on
     assert plain.budgets.actor_update < roomy.budgets.actor_update or plain.vllm.sequences < 16
 
 
+def test_engine_processes_are_counted_in_vllms_share(tmp_path, one_device, monkeypatch):
+    """rollout.engine_processes=2: vLLM's share holds each engine's weights, the shared copy they load pushes from,
+    the second engine's graphs and CUDA context, and one KV cache of a sequence per engine; what is left holds the
+    sequences, and each engine starts with its half of the share less the copy and the second context. On the same
+    card the plan has 1 weights + overhead + context fewer bytes of KV cache than with one engine."""
+    from jaxppo import plan as plan_mod
+    from jaxppo.plan import ENGINE_CONTEXT, VLLM_OVERHEAD
+
+    base = [*PACKED, "rollout.engine=vllm", "trainer.device_memory_gb=80"]
+    weights, kv = 3 * 2**30, 2**24
+    monkeypatch.setattr(plan_mod, "vllm_sizes", lambda cfg, model: (weights, kv))
+    one = prepared(tmp_path, *base).plan.vllm
+    two = prepared(tmp_path, *base, "rollout.engine_processes=2").plan.vllm
+    assert (one.engines, two.engines) == (1, 2) and two.bytes == one.bytes  # JAX's need decides the split
+    assert two.fixed == 3 * weights + VLLM_OVERHEAD + ENGINE_CONTEXT
+    assert one.sequences - two.sequences == (2 * weights + VLLM_OVERHEAD + ENGINE_CONTEXT) // kv
+    assert two.minimum == two.fixed + VLLM_OVERHEAD + 2 * kv
+    assert two.max_seqs == 2 * one.max_seqs  # each engine's scheduler runs max_num_seqs
+    # the engines' starting shares and the copy and context beside them fill the share
+    each = two.engine_utilization / two.utilization * two.bytes
+    assert abs(2 * each + weights + ENGINE_CONTEXT - two.bytes) < 2
+    assert one.engine_utilization == one.utilization
+    assert "2 engine processes at" in prepared(tmp_path, *base, "rollout.engine_processes=2").plan.table()
+
+
+def test_engine_processes_need_vllm(tmp_path):
+    from jaxppo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.engine_processes=2 needs rollout.engine=vllm"):
+        load_config(ROOT / "configs" / "default.yaml", ["rollout.engine_processes=2"])
+    with pytest.raises(ConfigError, match="rollout.engine_processes must be >= 1"):
+        load_config(ROOT / "configs" / "default.yaml", ["rollout.engine=vllm", "rollout.engine_processes=0"])
+
+
 def test_jax_takes_its_share_as_one_allocation_and_the_planning_child_grows_on_demand():
     from jaxppo import memory
 

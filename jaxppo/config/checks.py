@@ -272,6 +272,10 @@ def _check_vllm_scheduler(cfg: Config) -> None:
     d, r = cfg.data, cfg.rollout
     _check(r.max_num_seqs >= 0 and r.max_num_batched_tokens >= 0,
            "rollout.max_num_seqs and rollout.max_num_batched_tokens must be >= 0 (0: vLLM's default)")
+    _check(r.engine_processes >= 1, f"rollout.engine_processes must be >= 1, got {r.engine_processes}")
+    _check(r.engine_processes == 1 or r.engine == "vllm",
+           f"rollout.engine_processes={r.engine_processes} needs rollout.engine=vllm (the {r.engine} engine runs in "
+           "the trainer's process)")
     _check(r.cudagraph_capture_sizes is None or all(int(b) >= 1 for b in r.cudagraph_capture_sizes),
            f"rollout.cudagraph_capture_sizes: decode batch sizes >= 1, got {r.cudagraph_capture_sizes}")
     from jaxppo.rollout import own_engine_arg

@@ -177,6 +177,10 @@ class RolloutConfig:
     enable_chunked_prefill: bool = True  # vLLM: a prompt's prefill may span engine steps (always off on CPU)
     enable_prefix_caching: bool = True  # vLLM: KV blocks of a shared prefix computed once (verl's key and default)
     engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)  # verl's key
+    # vLLM engines on the card, each in a process of its own (the first the trainer's): a generation call's prompts
+    # split between them, so vLLM's host work runs side by side (bridge/engines/vllm_processes.py); the memory plan
+    # counts each engine's weights, graphs and CUDA context and one shared copy of the pushed weights
+    engine_processes: int = 1
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
     # the engine's log-prob of every sampled token on every step (verl's key; actor.tis_threshold turns it on).
     # Off: on every 8th step only, for the rollout/* mismatch metrics and the health rule (jaxppo/step.py)

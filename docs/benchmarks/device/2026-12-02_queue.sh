@@ -26,6 +26,8 @@ queue() {
   # the profiled runs (trainer.profile_tools=[torch]: CUPTI's record of every kernel, the engine's and XLA's, then
   # scripts/trace_summary.py: streams at once, the GPU's share of `gen`), traces kept on the machine, summaries back;
   # prof05_py: cProfile of a synchronous step's thread (trainer.profile_tools=[python]), its text summary back
+  # sync05_procs2 / sync15_procs2: the committed PPO configs with two vLLM engine processes (rollout.engine_processes=2:
+  # each call's prompts split between the trainer's engine and a helper's; bridge/engines/vllm_processes.py)
   # sync05_noprefix / sync15_noprefix: the committed PPO configs with vLLM's prefix caching off (rollout.enable_prefix_caching)
   # knobs05*: standalone vLLM at the 0.5B config's generation (256 x 256 tokens, no log-probs, the trainer's
   # max_model_len), one engine per process: vLLM's defaults (asynchronous scheduling, prefix caching) against
@@ -43,6 +45,8 @@ queue() {
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 sync05_noprefix|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_noprefix.json --workdir $Q/w/sync05_noprefix rollout.enable_prefix_caching=false
 sync15_noprefix|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15_noprefix.json --workdir $Q/w/sync15_noprefix rollout.enable_prefix_caching=false
+sync05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_procs2.json --workdir $Q/w/sync05_procs2 rollout.engine_processes=2
+sync15_procs2|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15_procs2.json --workdir $Q/w/sync15_procs2 rollout.engine_processes=2
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
 awake05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/awake05.json --workdir $Q/w/awake05 rollout.free_cache_engine=false
 sync15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15.json --workdir $Q/w/sync15

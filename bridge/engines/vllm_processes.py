@@ -1,0 +1,226 @@
+"""Several vLLM engines on one card, each in its own process (`rollout.engine_processes`): one generation call's
+prompts split between them, so their host work (vLLM's scheduling and per-sequence bookkeeping, which bounds
+generation at small model sizes: docs/benchmarks.md, "One batch's generation over several vLLM engines") runs side
+by side instead of in one Python process.
+
+The first engine is the trainer's in-process `VLLMEngine` (its weights pushed from DLPack views of the train state,
+as with one engine); the others are helper processes (spawned, started one after another: each vLLM checks at start
+that its share of the card is free), each running a `VLLMEngine` of its own. Their weights come from one shared copy
+in the engines' dtype, allocated once in this process: CUDA tensors from torch's allocator, whose IPC handles the
+helpers open once (CPU: tensors in shared memory). A push fills it from the pushed arrays (one cast copy on the
+device), then every helper loads it into its own parameters (vLLM's `load_weights`). XLA's buffers cannot be handed
+to another process directly (they are not torch's allocations, and the update donates them), hence the copy; the
+memory plan counts it, with each helper's weights, graphs and CUDA context (jaxppo/plan.py `vllm_fixed`).
+
+A call's prompts go to the engines in contiguous chunks (as equal as they split); chunk i is sampled with the call's
+seed + i, so the samples of a seeded call are reproducible for a given number of engines, not across numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.multiprocessing as tmp
+
+from bridge.dlpack import to_torch
+from bridge.engines.vllm import VLLMEngine
+from jaxppo.models.hf_io import HFWeights
+from jaxppo.models.lora import LoRAWeights
+from jaxppo.rollout import Rollouts, Sampling
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 1800.0  # a helper's vLLM start (a 7B shape's first start compiles for minutes)
+CALL_TIMEOUT_S = 3600.0  # one generation, push, sleep or wake
+
+
+@contextlib.contextmanager
+def _jax_on_cpu():
+    """The environment a helper starts with: JAX_PLATFORMS=cpu (this process's own setting restored after)."""
+    before = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["JAX_PLATFORMS"]
+        else:
+            os.environ["JAX_PLATFORMS"] = before
+
+
+def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
+    """A helper process: build the engine, then answer requests until "stop" (or the trainer's end)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the trainer, however it ends
+    except OSError:
+        pass
+    try:
+        engine = VLLMEngine(model_dir, **kwargs)
+        engine.direct = False  # the shared copy has HF names: vLLM's load_weights maps them
+        conn.send(("ready", engine.start_s))
+        shared: dict[str, torch.Tensor] = {}
+        while True:
+            msg = conn.recv()
+            op = msg[0]
+            if op == "stop":
+                return
+            if op == "shared":
+                shared = msg[1]
+                out = None
+            elif op == "load":
+                engine.update_weights(list(shared.items()))
+                out = None
+            elif op == "generate":
+                out = engine.generate(msg[1], msg[2])
+            elif op in ("sleep", "wake"):
+                getattr(engine, op)()
+                out = None
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            conn.send(("ok", out))
+    except BaseException as e:  # noqa: BLE001 - the trainer raises it, naming this engine
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except (OSError, EOFError):
+            pass
+        raise
+
+
+class VLLMProcesses:
+    """`processes` vLLM engines on this process's card: this process's own and `processes - 1` helpers; each is
+    started with `gpu_memory_utilization` (the share of one engine)."""
+
+    def __init__(self, model_dir: str | Path, *, processes: int, **kwargs: Any):
+        if processes < 2:
+            raise ValueError(f"VLLMProcesses needs 2 or more engine processes, got {processes}")
+        self.local = VLLMEngine(model_dir, **kwargs)
+        self.gpu = self.local.gpu
+        self.start_s = self.local.start_s
+        self._shared: dict[str, torch.Tensor] | None = None
+        self._dtype = getattr(torch, kwargs.get("dtype", "bfloat16"))
+        ctx = tmp.get_context("spawn")  # a fresh interpreter: no CUDA or JAX state inherited
+        self._conns, self._procs = [], []
+        try:
+            for i in range(1, processes):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(child, str(model_dir), kwargs), daemon=True,
+                                   name=f"jaxppo-vllm-{i}")
+                with _jax_on_cpu():  # the child imports JAX before _serve runs (the weight types): not on the card
+                    proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+                self.start_s += self._answer(i, "start", START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        log.info("vLLM: %d engines, each in its own process (%.1f s to start them)", processes, self.start_s)
+
+    @property
+    def processes(self) -> int:
+        return 1 + len(self._conns)
+
+    def _answer(self, i: int, what: str, timeout: float = CALL_TIMEOUT_S) -> Any:
+        conn = self._conns[i - 1]
+        if not conn.poll(timeout):
+            raise RuntimeError(f"vLLM engine process {i}: no answer to {what} in {timeout:.0f} s")
+        try:
+            status, out = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"vLLM engine process {i} ended during {what} (exit code "
+                               f"{self._procs[i - 1].exitcode})") from None
+        if status == "error":
+            raise RuntimeError(f"vLLM engine process {i}, {what}: {out}")
+        return out
+
+    def _all(self, op: str, *args: Any) -> None:
+        """`op` in every helper at once and in this process's engine meanwhile."""
+        for c in self._conns:
+            c.send((op, *args))
+        getattr(self.local, op)()
+        for i in range(1, self.processes):
+            self._answer(i, op)
+
+    # -------------------------------------------------------------- protocol
+
+    def update_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
+        """This process's engine as with one engine; the helpers from the shared copy, filled from the same arrays."""
+        if not isinstance(named_arrays, (HFWeights, LoRAWeights)):
+            named_arrays = list(named_arrays)  # iterated twice: the shared copy, then this process's engine
+        shared, new = self._shared or {}, self._shared is None
+        with torch.no_grad():
+            for name, array in named_arrays:
+                src = to_torch(array)
+                if name not in shared or shared[name].shape != src.shape:  # the first push (or another layout)
+                    dst = torch.empty(src.shape, dtype=self._dtype, device=src.device)
+                    shared[name], new = (dst.share_memory_() if dst.device.type == "cpu" else dst), True
+                shared[name].copy_(src)
+        if self.gpu:
+            torch.cuda.current_stream().synchronize()  # the helpers read it from their own streams
+        if new:  # handed over once: the helpers keep it (CUDA: they open its IPC handles once)
+            self._shared = shared
+            for c in self._conns:
+                c.send(("shared", shared))
+            for i in range(1, self.processes):
+                self._answer(i, "the shared weights")
+        for c in self._conns:
+            c.send(("load",))
+        self.local.update_weights(named_arrays)
+        for i in range(1, self.processes):
+            self._answer(i, "the weight push")
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
+        chunks = [[list(map(int, prompt_token_ids[j])) for j in c]
+                  for c in np.array_split(np.arange(len(prompt_token_ids)), self.processes)]
+        asked = [i for i in range(1, self.processes) if chunks[i]]  # fewer prompts than engines: some get none
+        for i in asked:
+            seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+            self._conns[i - 1].send(("generate", chunks[i], seeded))
+        parts = [self.local.generate(chunks[0], sampling)] if chunks[0] else []
+        parts += [self._answer(i, "generate") for i in asked]
+        return _concat(parts, [len(c) for c in chunks if c])
+
+    def sleep(self) -> None:
+        self._all("sleep")
+
+    def wake(self) -> None:
+        self._all("wake")
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(("stop",))
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        self._conns, self._procs = [], []
+
+    # what the benchmark scripts read of one engine: this process's
+    def host_options(self) -> dict[str, bool]:
+        return self.local.host_options()
+
+    def cudagraph_mode(self) -> str:
+        return self.local.cudagraph_mode()
+
+    def scheduler_limits(self) -> dict[str, Any]:
+        return {**self.local.scheduler_limits(), "engine_processes": self.processes}
+
+
+def _concat(parts: list[Rollouts], counts: list[int]) -> Rollouts:
+    """The engines' Rollouts of consecutive prompt chunks as one (prompt indices renumbered in order)."""
+    offsets = np.cumsum([0] + counts[:-1])
+    return Rollouts(np.concatenate([p.response_ids for p in parts]), np.concatenate([p.response_mask for p in parts]),
+                    np.concatenate([p.logprobs for p in parts]), [f for p in parts for f in p.finish_reasons],
+                    np.concatenate([p.prompt_index + o for p, o in zip(parts, offsets)]).astype(np.int32))
