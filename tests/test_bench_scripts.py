@@ -176,6 +176,14 @@ def test_bench_vllm_sampling_refuses_an_unknown_way_before_starting_an_engine(ca
     assert e.value.code == 2 and "--profile-way: unknown way 'slow'" in capsys.readouterr().err
 
 
+def test_bench_vllm_engines_refuses_a_split_that_is_not_even_before_starting_an_engine(capsys):
+    from scripts import bench_vllm_engines
+
+    with pytest.raises(SystemExit) as e:
+        bench_vllm_engines.main(["--shape", "tiny", "--prompts", "6", "--engines", "1,4"])
+    assert e.value.code == 2 and "4 engines cannot split 6 prompts evenly" in capsys.readouterr().err
+
+
 def test_bench_sync_runs_on_a_gpu_and_refuses_clearly_elsewhere():
     import torch
 

@@ -164,8 +164,8 @@ class VLLMProcesses:
                     dst = torch.empty(src.shape, dtype=self._dtype, device=src.device)
                     shared[name], new = (dst.share_memory_() if dst.device.type == "cpu" else dst), True
                 shared[name].copy_(src)
-        if self.gpu:
-            torch.cuda.current_stream().synchronize()  # the helpers read it from their own streams
+                if self.gpu:  # before `array` goes: XLA may reuse a fresh array's memory once it is dropped (and
+                    torch.cuda.current_stream().synchronize()  # the helpers read the copy from their own streams)
         if new:  # handed over once: the helpers keep it (CUDA: they open its IPC handles once)
             self._shared = shared
             for c in self._conns:

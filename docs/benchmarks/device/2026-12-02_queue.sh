@@ -27,7 +27,8 @@ queue() {
   # scripts/trace_summary.py: streams at once, the GPU's share of `gen`), traces kept on the machine, summaries back;
   # prof05_py: cProfile of a synchronous step's thread (trainer.profile_tools=[python]), its text summary back
   # sync05_procs2 / sync15_procs2: the committed PPO configs with two vLLM engine processes (rollout.engine_processes=2:
-  # each call's prompts split between the trainer's engine and a helper's; bridge/engines/vllm_processes.py)
+  # each call's prompts split between the trainer's engine and a helper's; bridge/engines/vllm_processes.py);
+  # async05_procs2: one step ahead with them (the helper's host work in its own process while XLA trains)
   # sync05_noprefix / sync15_noprefix: the committed PPO configs with vLLM's prefix caching off (rollout.enable_prefix_caching)
   # knobs05*: standalone vLLM at the 0.5B config's generation (256 x 256 tokens, no log-probs, the trainer's
   # max_model_len), one engine per process: vLLM's defaults (asynchronous scheduling, prefix caching) against
@@ -38,8 +39,8 @@ queue() {
   # engines05*: the 0.5B config's generation (256 x 256 tokens, no log-probs, max_model_len 768, prefix caching and
   # asynchronous scheduling off) split over 1, 2 and 4 vLLM engines, each in its own process
   # (scripts/bench_vllm_engines.py); engines05_async: 2 then 1 engines with vLLM's asynchronous scheduling (its default,
-  # the trainer's, and standalone's best at ea0f402); engines05_mps: the same under CUDA MPS (kernels of the processes at once, not
-  # time-sliced), the daemon started for that job and stopped after it
+  # the trainer's, and standalone's best at ea0f402); engines05_mps: engines05's runs (synchronous scheduling) under
+  # CUDA MPS (the processes' kernels at once, not time-sliced), the daemon started for that job and stopped after it
   local P="$PY scripts/bench_ppo_step.py"
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
@@ -47,6 +48,7 @@ sync05_noprefix|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b
 sync15_noprefix|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15_noprefix.json --workdir $Q/w/sync15_noprefix rollout.enable_prefix_caching=false
 sync05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_procs2.json --workdir $Q/w/sync05_procs2 rollout.engine_processes=2
 sync15_procs2|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15_procs2.json --workdir $Q/w/sync15_procs2 rollout.engine_processes=2
+async05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_procs2.json --workdir $Q/w/async05_procs2 trainer.async_rollout=true rollout.engine_processes=2
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
 awake05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/awake05.json --workdir $Q/w/awake05 rollout.free_cache_engine=false
 sync15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15.json --workdir $Q/w/sync15
