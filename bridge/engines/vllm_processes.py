@@ -142,10 +142,17 @@ class VLLMProcesses:
             raise RuntimeError(f"vLLM engine process {i}, {what}: {out}")
         return out
 
+    def _send(self, i: int, *msg: Any) -> None:
+        try:
+            self._conns[i - 1].send(msg)
+        except OSError:  # a broken pipe: the helper is gone
+            raise RuntimeError(f"vLLM engine process {i} has ended (exit code {self._procs[i - 1].exitcode}); "
+                               f"asked for {msg[0]}") from None
+
     def _all(self, op: str, *args: Any) -> None:
         """`op` in every helper at once and in this process's engine meanwhile."""
-        for c in self._conns:
-            c.send((op, *args))
+        for i in range(1, self.processes):
+            self._send(i, op, *args)
         getattr(self.local, op)()
         for i in range(1, self.processes):
             self._answer(i, op)
@@ -168,12 +175,12 @@ class VLLMProcesses:
                     torch.cuda.current_stream().synchronize()  # the helpers read the copy from their own streams)
         if new:  # handed over once: the helpers keep it (CUDA: they open its IPC handles once)
             self._shared = shared
-            for c in self._conns:
-                c.send(("shared", shared))
+            for i in range(1, self.processes):
+                self._send(i, "shared", shared)
             for i in range(1, self.processes):
                 self._answer(i, "the shared weights")
-        for c in self._conns:
-            c.send(("load",))
+        for i in range(1, self.processes):
+            self._send(i, "load")
         self.local.update_weights(named_arrays)
         for i in range(1, self.processes):
             self._answer(i, "the weight push")
@@ -184,7 +191,7 @@ class VLLMProcesses:
         asked = [i for i in range(1, self.processes) if chunks[i]]  # fewer prompts than engines: some get none
         for i in asked:
             seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-            self._conns[i - 1].send(("generate", chunks[i], seeded))
+            self._send(i, "generate", chunks[i], seeded)
         parts = [self.local.generate(chunks[0], sampling)] if chunks[0] else []
         parts += [self._answer(i, "generate") for i in asked]
         return _concat(parts, [len(c) for c in chunks if c])

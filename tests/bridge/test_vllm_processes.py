@@ -61,3 +61,14 @@ def test_sleep_and_wake_reach_every_engine(setup):
     engine.sleep()
     engine.wake()
     checks.check_logprobs_match_trainer(engine, module, params, cfg.vocab_size)
+
+
+def test_a_helper_that_dies_is_named_not_waited_for(setup):
+    """Last in this file (it ends the module's helper): a killed helper process makes the next call raise, naming
+    the engine process and its exit code, instead of hanging the trainer."""
+    engine, module, params, cfg = setup
+    helper = engine._procs[0]
+    helper.kill()
+    helper.join(timeout=60)
+    with pytest.raises(RuntimeError, match=r"vLLM engine process 1 (has )?ended .*exit code -9"):
+        engine.generate(checks.prompts(cfg.vocab_size), Sampling(n=1, temperature=0.0, max_tokens=checks.MAX_TOKENS))
