@@ -47,8 +47,10 @@ def _local_single_device(x: jax.Array) -> jax.Array:
     return jax.jit(lambda a: a, out_shardings=replicated)(x).addressable_shards[0].data
 
 
-def to_torch(x: jax.Array) -> torch.Tensor:
-    """Zero-copy view of a (gathered) JAX array as a torch tensor on the same device."""
+def to_torch(x: jax.Array | torch.Tensor) -> torch.Tensor:
+    """Zero-copy view of a (gathered) JAX array as a torch tensor on the same device (a torch tensor: itself)."""
+    if isinstance(x, torch.Tensor):
+        return x
     x = _local_single_device(x)
     x.block_until_ready()  # JAX dispatch is asynchronous: the buffer may still be being written
     return torch.from_dlpack(x)

@@ -84,6 +84,19 @@ class Rollouts:
     def lengths(self) -> np.ndarray:
         return self.response_mask.sum(-1).astype(np.int32)
 
+    @staticmethod
+    def concat(parts: list["Rollouts"], prompts: list[int], pad_id: int = 0) -> "Rollouts":
+        """One Rollouts of several, each answering `prompts[i]` consecutive prompts (indices renumbered in order),
+        padded to the widest."""
+        width = max(p.response_ids.shape[1] for p in parts)
+        pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)  # noqa: E731
+        offsets = np.cumsum([0] + list(prompts[:-1]))
+        return Rollouts(np.concatenate([pad(p.response_ids, pad_id) for p in parts]),
+                        np.concatenate([pad(p.response_mask, 0.0) for p in parts]),
+                        np.concatenate([pad(p.logprobs, 0.0) for p in parts]),
+                        [f for p in parts for f in p.finish_reasons],
+                        np.concatenate([p.prompt_index + o for p, o in zip(parts, offsets)]).astype(np.int32))
+
 
 @dataclasses.dataclass
 class Sampled:
@@ -111,14 +124,7 @@ class Sampled:
     @staticmethod
     def concat(parts: list["Sampled"], pad_id: int = 0) -> "Sampled":
         """One Sampled of several (prompts renumbered in order; scalar counts summed, arrays joined)."""
-        width = max(p.rollouts.response_ids.shape[1] for p in parts)
-        pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)  # noqa: E731
-        offsets = np.cumsum([0] + [len(p.rows) for p in parts[:-1]])
-        ro = Rollouts(np.concatenate([pad(p.rollouts.response_ids, pad_id) for p in parts]),
-                      np.concatenate([pad(p.rollouts.response_mask, 0.0) for p in parts]),
-                      np.concatenate([pad(p.rollouts.logprobs, 0.0) for p in parts]),
-                      [f for p in parts for f in p.rollouts.finish_reasons],
-                      np.concatenate([p.rollouts.prompt_index + o for p, o in zip(parts, offsets)]).astype(np.int32))
+        ro = Rollouts.concat([p.rollouts for p in parts], [len(p.rows) for p in parts], pad_id)
         keys = {k for p in parts for k in p.counts}
         n = [len(p.scores) for p in parts]
         counts = {}

@@ -249,7 +249,7 @@ class VLLMEngine:
                 plan.push(named_arrays.params)
             torch.cuda.current_stream().synchronize()  # the views alias buffers the next update donates
         else:
-            tensors = ((name, array if isinstance(array, torch.Tensor) else to_torch(array)) for name, array in named_arrays)
+            tensors = ((name, to_torch(array)) for name, array in named_arrays)
             if self.gpu:
                 self.model().load_weights(tensors)
             else:

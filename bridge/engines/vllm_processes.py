@@ -64,8 +64,7 @@ def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
     except OSError:
         pass
     try:
-        engine = VLLMEngine(model_dir, **kwargs)
-        engine.direct = False  # the shared copy has HF names: vLLM's load_weights maps them
+        engine = VLLMEngine(model_dir, **kwargs)  # the shared copy (a list, HF names) goes to vLLM's load_weights
         conn.send(("ready", engine.start_s))
         shared: dict[str, torch.Tensor] = {}
         while True:
@@ -194,7 +193,7 @@ class VLLMProcesses:
             self._send(i, "generate", chunks[i], seeded)
         parts = [self.local.generate(chunks[0], sampling)] if chunks[0] else []
         parts += [self._answer(i, "generate") for i in asked]
-        return _concat(parts, [len(c) for c in chunks if c])
+        return Rollouts.concat(parts, [len(c) for c in chunks if c], self.local.pad_token_id)
 
     def sleep(self) -> None:
         self._all("sleep")
@@ -224,10 +223,3 @@ class VLLMProcesses:
     def scheduler_limits(self) -> dict[str, Any]:
         return {**self.local.scheduler_limits(), "engine_processes": self.processes}
 
-
-def _concat(parts: list[Rollouts], counts: list[int]) -> Rollouts:
-    """The engines' Rollouts of consecutive prompt chunks as one (prompt indices renumbered in order)."""
-    offsets = np.cumsum([0] + counts[:-1])
-    return Rollouts(np.concatenate([p.response_ids for p in parts]), np.concatenate([p.response_mask for p in parts]),
-                    np.concatenate([p.logprobs for p in parts]), [f for p in parts for f in p.finish_reasons],
-                    np.concatenate([p.prompt_index + o for p, o in zip(parts, offsets)]).astype(np.int32))
