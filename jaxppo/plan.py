@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 VLLM_OVERHEAD = 2 * GiB  # vLLM beside weights and KV cache: CUDA graphs, the profile run's activations, sampler
 VLLM_MAX_SEQS = 1024  # sequences vLLM schedules at once at most (its default max_num_seqs on large GPUs)
-ENGINE_CONTEXT = GiB // 2  # an engine process's own CUDA context and workspaces (rollout.engine_processes > 1)
+ENGINE_CONTEXT = GiB // 2  # a helper engine process's own CUDA context and workspaces (bridge/engines/vllm_processes.py)
 
 
 def vllm_max_seqs(cfg: Any) -> int:
@@ -79,11 +79,17 @@ class VllmShare:
     round: bool = False  # generation_sequences is a round of dynamic sampling (algorithm.filter_groups)
     max_seqs: int = VLLM_MAX_SEQS  # what vLLM's schedulers run at once at most (rollout.max_num_seqs each)
     engines: int = 1  # vLLM engines, each in its own process (rollout.engine_processes)
+    in_trainer: bool = True  # the first engine is the trainer's own (rollout.engine_in_trainer)
+
+    @property
+    def helpers(self) -> int:
+        """Engines in processes of their own, each with its own CUDA context."""
+        return self.engines - self.in_trainer
 
     @property
     def fixed(self) -> int:
         """What vLLM's share holds beside its KV caches and one engine's graphs and activations."""
-        return vllm_fixed(self.weights, self.engines)
+        return vllm_fixed(self.weights, self.engines, self.in_trainer)
 
     @property
     def minimum(self) -> int:
@@ -91,11 +97,11 @@ class VllmShare:
 
     @property
     def engine_utilization(self) -> float:
-        """What each engine is started with: the share, less the shared copy of the pushed weights and the other
-        engines' CUDA contexts, split evenly (one engine: the share)."""
-        if self.engines == 1:
+        """What each engine is started with: the share, less the shared copy of the pushed weights and the helper
+        engines' CUDA contexts, split evenly (one engine in the trainer: the share)."""
+        if self.helpers == 0:
             return self.utilization
-        each = (self.bytes - self.weights - (self.engines - 1) * ENGINE_CONTEXT) / self.engines
+        each = (self.bytes - self.weights - self.helpers * ENGINE_CONTEXT) / self.engines
         return self.utilization * max(each, 0) / max(self.bytes, 1)
 
 
@@ -177,9 +183,10 @@ class Plan:
             v = self.vllm
             waves = -(-v.generation_sequences // max(min(v.sequences, v.max_seqs), 1))
             capped = f" (vLLM's max_num_seqs: {v.max_seqs} at most)" if v.max_seqs < v.sequences else ""
-            engines = "weights " if v.engines == 1 else (
-                f"{v.engines} engine processes at {v.engine_utilization:.3f} each; weights x {v.engines}, their "
-                f"shared copy, the other engines' graphs and contexts ")
+            engines = "weights " if v.helpers == 0 else (
+                f"{v.engines} engine process{'es' if v.engines > 1 else ''} at {v.engine_utilization:.3f} each"
+                f"{'' if v.in_trainer else ', none in the trainer'}; weights x {v.engines}, their shared copy, the "
+                "other engines' graphs, the helpers' contexts ")
             lines.append(f"  {'vLLM share':<42}{gb(v.bytes)}  (gpu_memory_utilization {v.utilization:.3f}: {engines}"
                          f"{v.fixed / GiB:.1f} GiB + ~{VLLM_OVERHEAD / GiB:.0f} GiB graphs / activations + KV cache "
                          f"for {v.sequences} max-length sequences at once{capped}; "
@@ -191,13 +198,15 @@ class Plan:
 # ------------------------------------------------------------------ the plan
 
 
-def vllm_fixed(weights: int, engines: int) -> int:
+def vllm_fixed(weights: int, engines: int, in_trainer: bool = True) -> int:
     """vLLM's bytes beside its KV caches and one engine's graphs and activations (VLLM_OVERHEAD): its weights; with
-    several engine processes each one's weights, the shared copy they load pushed weights from, and each further
-    engine's graphs, activations and CUDA context."""
-    if engines == 1:
+    helper engine processes (several engines, or one not in the trainer's process) each engine's weights, the shared
+    copy the helpers load pushed weights from, each further engine's graphs and activations and each helper's CUDA
+    context."""
+    helpers = engines - in_trainer
+    if helpers == 0:
         return weights
-    return engines * weights + weights + (engines - 1) * (VLLM_OVERHEAD + ENGINE_CONTEXT)
+    return engines * weights + weights + (engines - 1) * VLLM_OVERHEAD + helpers * ENGINE_CONTEXT
 
 
 def vllm_sizes(cfg: Any, model: Any) -> tuple[int, int]:
@@ -404,7 +413,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     resident = sum(states.values())
     gen_seqs = generation_sequences(cfg)
     weights, kv_seq = vllm_sizes(cfg, build.actor_cfg)
-    fixed = vllm_fixed(weights, cfg.rollout.engine_processes)
+    fixed = vllm_fixed(weights, cfg.rollout.engine_processes, cfg.rollout.engine_in_trainer)
     jax_limit, limits = _limits(cfg, card, states, margin, fixed, kv_seq, gen_seqs, build.shards)
     P, R = d.max_prompt_length, d.max_response_length
     shortest, longest = prompt_lengths or (1, P)
@@ -526,11 +535,12 @@ def _split(cfg: Any, plan: Plan, weights: int, kv_seq: int, gen_seqs: int, held:
         share = int((1.0 - memory.MARGIN) * card) - (held if held is not None else plan.need)
         jax_limit = plan.need
         u = max(share, 0) / card
-    engines = cfg.rollout.engine_processes
-    held = max(share - vllm_fixed(weights, engines) - VLLM_OVERHEAD, 0) // max(kv_seq, 1)
+    engines, in_trainer = cfg.rollout.engine_processes, cfg.rollout.engine_in_trainer
+    held = max(share - vllm_fixed(weights, engines, in_trainer) - VLLM_OVERHEAD, 0) // max(kv_seq, 1)
     return dataclasses.replace(plan, jax_limit=jax_limit,
                                vllm=VllmShare(share, weights, kv_seq, int(held), gen_seqs, float(u),
-                                              cfg.algorithm.filter_groups.enable, vllm_max_seqs(cfg) * engines, engines))
+                                              cfg.algorithm.filter_groups.enable, vllm_max_seqs(cfg) * engines, engines,
+                                              in_trainer))
 
 
 def check(cfg: Any, plan: Plan) -> None:

@@ -38,6 +38,7 @@ def make_engine_factory(cfg):
                            enable_prefix_caching=cfg.rollout.enable_prefix_caching,
                            engine_kwargs=cfg.rollout.engine_kwargs.vllm, seed=cfg.trainer.seed,
                            engine_processes=cfg.rollout.engine_processes,
+                           engine_in_trainer=cfg.rollout.engine_in_trainer,
                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
 
     return factory

@@ -422,6 +422,9 @@ class PPOTrainer:
         in the same process (tests, notebooks, sweeps) does not keep this one's cyclic garbage for good."""
         if self.ahead is not None:
             self.ahead.close()
+        close_engine = getattr(self.ctx.engine, "close", None)  # an engine with processes of its own ends them
+        if close_engine is not None:
+            close_engine()
         if self._run_lock is not None:  # the run directory is free for the next run
             self._run_lock.close()
             self._run_lock = None

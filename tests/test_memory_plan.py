@@ -338,7 +338,8 @@ def test_engine_processes_are_counted_in_vllms_share(tmp_path, one_device, monke
     """rollout.engine_processes=2: vLLM's share holds each engine's weights, the shared copy they load pushes from,
     the second engine's graphs and CUDA context, and one KV cache of a sequence per engine; what is left holds the
     sequences, and each engine starts with its half of the share less the copy and the second context. On the same
-    card the plan has 1 weights + overhead + context fewer bytes of KV cache than with one engine."""
+    card the plan has 1 weights + overhead + context fewer bytes of KV cache than with one engine. With
+    rollout.engine_in_trainer=false every engine is a helper: one context more, and the share split the same way."""
     from jaxppo import plan as plan_mod
     from jaxppo.plan import ENGINE_CONTEXT, VLLM_OVERHEAD
 
@@ -357,6 +358,18 @@ def test_engine_processes_are_counted_in_vllms_share(tmp_path, one_device, monke
     assert abs(2 * each + weights + ENGINE_CONTEXT - two.bytes) < 2
     assert one.engine_utilization == one.utilization
     assert "2 engine processes at" in prepared(tmp_path, *base, "rollout.engine_processes=2").plan.table()
+    # rollout.engine_in_trainer=false: every engine a helper, each with a context of its own
+    out = prepared(tmp_path, *base, "rollout.engine_in_trainer=false").plan
+    alone = out.vllm
+    assert (alone.engines, alone.helpers, alone.bytes) == (1, 1, one.bytes)
+    assert alone.fixed == 2 * weights + ENGINE_CONTEXT  # the helper's weights and the shared copy
+    assert abs(alone.engine_utilization / alone.utilization * alone.bytes + weights + ENGINE_CONTEXT
+               - alone.bytes) < 2
+    assert "1 engine process at" in out.table() and "none in the trainer" in out.table()
+    both = prepared(tmp_path, *base, "rollout.engine_processes=2", "rollout.engine_in_trainer=false").plan.vllm
+    assert both.fixed == two.fixed + ENGINE_CONTEXT
+    assert abs(2 * both.engine_utilization / both.utilization * both.bytes + weights + 2 * ENGINE_CONTEXT
+               - both.bytes) < 2
 
 
 def test_engine_processes_need_vllm(tmp_path):
@@ -366,6 +379,8 @@ def test_engine_processes_need_vllm(tmp_path):
         load_config(ROOT / "configs" / "default.yaml", ["rollout.engine_processes=2"])
     with pytest.raises(ConfigError, match="rollout.engine_processes must be >= 1"):
         load_config(ROOT / "configs" / "default.yaml", ["rollout.engine=vllm", "rollout.engine_processes=0"])
+    with pytest.raises(ConfigError, match="rollout.engine_in_trainer=false needs rollout.engine=vllm"):
+        load_config(ROOT / "configs" / "default.yaml", ["rollout.engine_in_trainer=false"])
 
 
 def test_jax_takes_its_share_as_one_allocation_and_the_planning_child_grows_on_demand():

@@ -42,19 +42,22 @@ def verl_data(tmp_path_factory, tokenizer_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm),
-                                    pytest.param("vllm-2", marks=pytest.mark.vllm, id="vllm-two-processes")])
-def test_three_steps_every_metric_finite(engine, verl_data, tokenizer_dir, tmp_path):
-    """vllm-2: rollout.engine_processes=2, a helper process's engine generating half of every call."""
-    if engine.startswith("vllm"):
+@pytest.mark.parametrize("engine,processes,in_trainer", [
+    pytest.param("hf", 1, True, id="hf"), pytest.param("vllm", 1, True, marks=pytest.mark.vllm, id="vllm"),
+    pytest.param("vllm", 2, True, marks=pytest.mark.vllm, id="vllm-two-processes"),
+    pytest.param("vllm", 1, False, marks=pytest.mark.vllm, id="vllm-helper-only")])
+def test_three_steps_every_metric_finite(engine, processes, in_trainer, verl_data, tokenizer_dir, tmp_path):
+    """vllm-two-processes: rollout.engine_processes=2, a helper process's engine generating half of every call;
+    vllm-helper-only: rollout.engine_in_trainer=false, the one engine in a helper process."""
+    if engine == "vllm":
         pytest.importorskip("vllm")
-    engine, processes = engine.split("-")[0], (engine.split("-") + ["1"])[1]
     d, model = verl_data
     run = tmp_path / "run"
     run_train(run, *FAST, f"data.train_files=[{d / 'train.parquet'}]", f"data.val_files=[{d / 'test.parquet'}]",
               f"data.tokenizer={tokenizer_dir}", f"model.path={model}", "trainer.sft_warmup_steps=0",
               "trainer.total_training_steps=3", "actor.use_kl_loss=true", f"rollout.engine={engine}",
-              "rollout.enforce_eager=true", "data.max_prompt_length=48", f"rollout.engine_processes={processes}")
+              "rollout.enforce_eager=true", "data.max_prompt_length=48", f"rollout.engine_processes={processes}",
+              f"rollout.engine_in_trainer={str(in_trainer).lower()}")
     metrics = read_metrics(run)
     assert sorted(metrics) == [0, 1, 2, 3]
     for step in (1, 2, 3):

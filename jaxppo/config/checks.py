@@ -276,6 +276,9 @@ def _check_vllm_scheduler(cfg: Config) -> None:
     _check(r.engine_processes == 1 or r.engine == "vllm",
            f"rollout.engine_processes={r.engine_processes} needs rollout.engine=vllm (the {r.engine} engine runs in "
            "the trainer's process)")
+    _check(r.engine_in_trainer or r.engine == "vllm",
+           f"rollout.engine_in_trainer=false needs rollout.engine=vllm (the {r.engine} engine runs in the trainer's "
+           "process)")
     _check(r.cudagraph_capture_sizes is None or all(int(b) >= 1 for b in r.cudagraph_capture_sizes),
            f"rollout.cudagraph_capture_sizes: decode batch sizes >= 1, got {r.cudagraph_capture_sizes}")
     from jaxppo.rollout import own_engine_arg

