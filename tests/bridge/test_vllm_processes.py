@@ -92,6 +92,11 @@ def test_an_engine_only_in_a_helper_samples_what_the_trainer_computes(setup, alo
     checks.check_update_changes_outputs(alone, params, cfg.vocab_size)
 
 
+def test_a_lora_push_reaches_an_engine_only_in_a_helper(alone, setup, tiny_qwen):
+    engine, module, params, cfg = setup
+    checks.check_lora_push_matches_trainer(alone, tiny_qwen, cfg.vocab_size)
+
+
 def test_a_helpers_error_is_the_one_raised_not_the_sleep_after_it(setup, alone):
     """A call the helper's vLLM refuses (a negative temperature) raises naming the engine process and
     vLLM's own message; putting the engines to sleep on the way out (as `jaxppo.step.awake` does) skips the helper
