@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 VLLM_OVERHEAD = 2 * GiB  # vLLM beside weights and KV cache: CUDA graphs, the profile run's activations, sampler
 VLLM_MAX_SEQS = 1024  # sequences vLLM schedules at once at most (its default max_num_seqs on large GPUs)
-ENGINE_CONTEXT = GiB // 2  # a helper engine process's own CUDA context and workspaces (bridge/engines/vllm_processes.py)
+ENGINE_CONTEXT = GiB // 2  # a helper engine process's CUDA context and workspaces (bridge/engines/vllm_processes.py)
 
 
 def vllm_max_seqs(cfg: Any) -> int:
