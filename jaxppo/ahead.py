@@ -1,9 +1,11 @@
-"""Rollouts one step ahead (`trainer.async_rollout`; verl's one-step-off-policy recipe, here on the same GPU).
+"""The next step's batch generated while this step trains, in two ways: rollouts one step ahead
+(`trainer.async_rollout`; verl's one-step-off-policy recipe, here on the same GPU) and the rollout during the critic's
+update (`trainer.rollout_during_critic_update`, on-policy).
 
-The synchronous step generates its batch with the weights it then trains. One step ahead, the rollout engine stays
-awake and generates step k+1's batch in a background thread, with the weights of step k pushed just before, while
-the trainer scores step k's batch, runs its forward passes and updates; step k+1 then takes that batch (waiting for
-what is left of its generation) and launches step k+2's. Each batch is one update behind the weights that train on
+The synchronous step generates its batch with the weights it then trains. One step ahead (lag 1), the rollout engine
+stays awake and generates step k+1's batch in a background thread, with the weights of step k pushed just before,
+while the trainer scores step k's batch, runs its forward passes and updates; step k+1 then takes that batch (waiting
+for what is left of its generation) and launches step k+2's. Each batch is one update behind the weights that train on
 it: the engine's log-probs are the behaviour policy's, corrected by `algorithm.rollout_correction` (bypass mode when
 the config sets none, token-level truncated importance weights for a policy loss that is not PPO's:
 jaxppo/config/loading.py).
@@ -11,10 +13,20 @@ jaxppo/config/loading.py).
     step k:   take batch k (sampled by theta_{k-1})  ->  push theta_k, launch batch k+1  ->  forward passes, update
               on batch k -> theta_{k+1}
 
-The engine computes on its own copy of the pushed weights (vLLM: its parameters; the transformers engine is told to
-copy, since the update donates the buffers its views would alias). A checkpoint waits for the batch in flight and
-stores it (`state()` / `load_state()`: the batch, its rows and metrics), so a stopped run resumes exactly where it
-stopped: the first step after a resume takes the stored batch instead of generating another.
+During the critic's update (lag 0), the actor updates first and its new weights sample the next batch while the
+critic updates (`jaxppo.step.update`'s `after_actor`): the two updates read the same batch and not each other's
+results, so this is the synchronous step exactly, with the critic's update overlapped with the next generation.
+
+    step k:   take batch k (sampled by theta_k)  ->  forward passes, actor update -> theta_{k+1}  ->  push theta_{k+1},
+              launch batch k+1  ->  critic update on batch k
+
+The engine computes on its own copy of the pushed weights one step ahead (vLLM: its parameters; the transformers
+engine is told to copy, since the update donates the buffers its views would alias; during the critic's update
+nothing donates the actor's buffers before the batch is taken, so views serve). A checkpoint waits for the batch in
+flight and stores it (`state()` / `load_state()`: the batch, its rows and metrics, its lag), so a stopped run resumes
+exactly where it stopped: the first step after a resume takes the stored batch instead of generating another. A
+batch staler than the resuming run trains on (one step ahead's, resumed synchronously or during the critic's
+update) is generated again, from its rows, with the checkpoint's weights (`stored_rows`).
 """
 
 from __future__ import annotations
@@ -41,15 +53,17 @@ class Batch:
 
 
 class Ahead:
-    """The batch in flight (at most one) and the thread that generates it."""
+    """The batch in flight (at most one) and the thread that generates it; `lag`: the updates between the weights
+    that sample a batch and those that train on it (1 one step ahead, 0 during the critic's update)."""
 
-    def __init__(self, ctx: StepContext):
+    def __init__(self, ctx: StepContext, lag: int):
         self.ctx = ctx
+        self.lag = lag
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxppo-rollout-ahead")
         self._pending: concurrent.futures.Future | None = None
         self._ready: Batch | None = None  # a batch restored from a checkpoint, or waited for
-        if hasattr(ctx.engine, "copy_weights"):  # the transformers engine: its views would alias donated buffers
-            ctx.engine.copy_weights = True
+        if lag and hasattr(ctx.engine, "copy_weights"):  # the transformers engine: its views would alias donated
+            ctx.engine.copy_weights = True  # buffers (the update that runs beside the generation donates them)
 
     @property
     def in_flight(self) -> bool:
@@ -93,7 +107,11 @@ class Ahead:
                 "logprobs": _enc(ro.logprobs), "finish_reasons": list(ro.finish_reasons),
                 "prompt_index": _enc(ro.prompt_index), "scores": _enc(s.scores),
                 "counts": {k: _enc(v) if isinstance(v, np.ndarray) else float(v) for k, v in s.counts.items()},
-                "metrics": b.metrics, "times": b.times}
+                "metrics": b.metrics, "times": b.times, "lag": self.lag}
+
+    def accepts(self, state: dict[str, Any]) -> bool:
+        """Whether a stored batch is as fresh as this run trains on (a lag-0 batch serves one step ahead too)."""
+        return stored_lag(state) <= self.lag
 
     def load_state(self, state: dict[str, Any] | None) -> None:
         """Restore the batch a checkpoint stored as in flight (None: nothing was)."""
@@ -101,6 +119,7 @@ class Ahead:
         self._ready = None
         if state is None:
             return
+        assert self.accepts(state), "a batch staler than this run trains on is generated again (stored_rows)"
         ro = Rollouts(_dec(state["response_ids"]), _dec(state["response_mask"]), _dec(state["logprobs"]),
                       list(state["finish_reasons"]), _dec(state["prompt_index"]))
         counts = {k: _dec(v) if isinstance(v, dict) else float(v) for k, v in state["counts"].items()}
@@ -110,6 +129,16 @@ class Ahead:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
+
+
+def stored_lag(state: dict[str, Any]) -> int:
+    """The lag of a stored batch (checkpoints from before the key were one step ahead's)."""
+    return int(state.get("lag", 1))
+
+
+def stored_rows(state: dict[str, Any]) -> np.ndarray:
+    """The dataset rows of a stored batch: what to generate anew when the batch itself cannot be trained on."""
+    return _dec(state["rows"])
 
 
 def _enc(a: np.ndarray) -> dict[str, Any]:
@@ -122,4 +151,4 @@ def _dec(d: dict[str, Any]) -> np.ndarray:
     return np.asarray(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"])
 
 
-__all__ = ["Ahead", "Batch"]
+__all__ = ["Ahead", "Batch", "stored_lag", "stored_rows"]

@@ -177,15 +177,25 @@ def push_weights(ctx: StepContext, actor_params: Any, timer: Timer) -> None:
 @contextlib.contextmanager
 def awake(ctx: StepContext, actor_params: Any, timer: Timer | None = None):
     """The rollout engine woken with the actor's current weights pushed in (every wake: a sleeping vLLM may
-    have dropped them), put back to sleep on exit unless `rollout.free_cache_engine=false` keeps it awake."""
+    have dropped them), put back to sleep on exit unless `rollout.free_cache_engine=false` keeps it awake. On the way
+    out of a failed call the first error is the one raised: a sleep that fails then (an engine whose process the
+    failure ended) is logged, not raised in its place."""
     timer = timer or Timer()
+    sleep = ctx.cfg.rollout.free_cache_engine
     try:
         push_weights(ctx, actor_params, timer)
         yield
-    finally:
-        if ctx.cfg.rollout.free_cache_engine:
-            with timer("sleep"):
+    except BaseException:
+        if sleep:
+            try:
                 ctx.engine.sleep()
+            except Exception as e:  # noqa: BLE001 - the error propagating is the one to see
+                log.warning("the rollout engine's sleep failed on the way out of the error below: %s: %s",
+                            type(e).__name__, e)
+        raise
+    if sleep:
+        with timer("sleep"):
+            ctx.engine.sleep()
 
 
 def decode(ctx: StepContext, rollouts: Rollouts) -> list[str]:
@@ -523,24 +533,40 @@ def needs_ref_logprobs(cfg: Config) -> bool:
     return cfg.algorithm.use_kl_in_reward or (a.use_kl_loss and a.kl_loss_type != "full")
 
 
-def update(ctx: StepContext, state: PPOState, exp: Experience, step: int, timer: Timer) -> tuple[PPOState, dict]:
-    """The critic's, then (after `trainer.critic_warmup` steps) the actor's mini-batch updates."""
+def update(ctx: StepContext, state: PPOState, exp: Experience, step: int, timer: Timer,
+           after_actor: Callable[[PPOState], None] | None = None) -> tuple[PPOState, dict]:
+    """The critic's and (after `trainer.critic_warmup` steps) the actor's mini-batch updates. Both read the step's
+    batch and neither reads the other's result, so their order is free: the critic's first (verl's order), or with
+    `after_actor` the actor's first, then `after_actor(state)` (the state with the new actor), then the critic's
+    (the next batch, launched there with the new weights, is generated while the critic updates:
+    `trainer.rollout_during_critic_update`, jaxppo/ahead.py)."""
     cfg = ctx.cfg
     budgets = ctx.budgets
     metrics: dict[str, float] = {}
-    if ctx.critic is not None:
+
+    def critic(state: PPOState) -> PPOState:
+        if ctx.critic is None:
+            return state
         with timer("update_critic"):
-            critic, cm = _update(ctx, ctx.critic, state.critic, exp.critic_batch, cfg.critic, budgets.critic_update,
-                                 "critic.ppo_max_token_len_per_device", cfg.trainer.seed + 7919 * step)
-        state = dataclasses.replace(state, critic=critic)
+            new, cm = _update(ctx, ctx.critic, state.critic, exp.critic_batch, cfg.critic, budgets.critic_update,
+                              "critic.ppo_max_token_len_per_device", cfg.trainer.seed + 7919 * step)
         metrics.update(_mean_metrics(cm, "critic"))
-    if step >= cfg.trainer.critic_warmup:
+        return dataclasses.replace(state, critic=new)
+
+    def actor(state: PPOState) -> PPOState:
+        if step < cfg.trainer.critic_warmup:
+            return state
         with timer("update_actor"):
-            actor, am = _update(ctx, ctx.actor, state.actor, exp.batch, cfg.actor, budgets.actor_update,
-                                "actor.ppo_max_token_len_per_device", cfg.trainer.seed + 104729 * step, state.ref_params)
-        state = dataclasses.replace(state, actor=actor)
+            new, am = _update(ctx, ctx.actor, state.actor, exp.batch, cfg.actor, budgets.actor_update,
+                              "actor.ppo_max_token_len_per_device", cfg.trainer.seed + 104729 * step, state.ref_params)
         metrics.update(_mean_metrics(am, "actor"))
-    return state, metrics
+        return dataclasses.replace(state, actor=new)
+
+    if after_actor is None:
+        return actor(critic(state)), metrics
+    state = actor(state)
+    after_actor(state)
+    return critic(state), metrics
 
 
 def _update(ctx: StepContext, engine, train_state: TrainState, batch: dict[str, np.ndarray], sub, budget: int,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from jaxppo import distributed as dist
 from jaxppo import memory
@@ -31,7 +32,7 @@ from jaxppo.errors import CheckpointError, ConfigError
 from jaxppo.health import HealthMonitor
 from jaxppo.metrics import MetricsLogger
 from jaxppo.models import load_model, save_hf_checkpoint
-from jaxppo.ahead import Ahead
+from jaxppo.ahead import Ahead, stored_lag, stored_rows
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights
 from jaxppo.rewards import custom as custom_reward
@@ -125,8 +126,11 @@ class PPOTrainer:
         self._profiling = False
         self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", t.max_to_keep)
         self._saved_step: int | None = None  # the step this process last checkpointed
-        # rollouts one step ahead (jaxppo/ahead.py): the batch in flight, generated while the step trains
-        self.ahead = Ahead(self.ctx) if t.async_rollout else None
+        # the next batch generated while the step trains (jaxppo/ahead.py): one step ahead, or during the critic's
+        # update; the batch in flight
+        self.ahead = Ahead(self.ctx, lag=1) if t.async_rollout else \
+            Ahead(self.ctx, lag=0) if t.rollout_during_critic_update else None
+        self._redo_rows: np.ndarray | None = None  # a stored batch's rows to generate again (a staler batch)
         self._maybe_resume()
         if self.main:  # only once setup and resume succeeded: a failed start leaves the run's record as it was
             write_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
@@ -230,14 +234,20 @@ class PPOTrainer:
         if mode == "auto" or self.checkpointer.directory in (Path(mode).absolute(), Path(mode).absolute().parent):
             self._saved_step = self.step  # the step is on disk in this run's checkpoints: not written again
         self.sampler.load_state(meta["sampler"])
-        if self.ahead is not None:  # the batch that was in flight (None from a synchronous run's checkpoint)
-            self.ahead.load_state(meta.get("ahead"))
+        stored = meta.get("ahead")  # the batch that was in flight (None from a synchronous run's checkpoint)
+        if stored is not None and (self.ahead is None or not self.ahead.accepts(stored)):
+            # sampled by weights older than this run trains on: its rows are generated again with the checkpoint's
+            self._redo_rows, stored = stored_rows(stored), None
+            log.info("the checkpoint's batch in flight was sampled %d update(s) behind the weights it was to train; "
+                     "this run trains on fresher batches, so it generates those prompts again",
+                     stored_lag(meta["ahead"]))
+        if self.ahead is not None:
+            self.ahead.load_state(stored)
         if "health" in meta:
             self.health.load_state(meta["health"])
             self.bad_steps, self.vals_since_best = int(meta["bad_steps"]), int(meta["vals_since_best"])
             self.best_val = meta["best_val"]
-        log.info("resumed from step %d%s", self.step, ", the next step's batch as it was in flight (rollouts one "
-                 "step ahead)" if meta.get("ahead") and self.ahead is not None else "")
+        log.info("resumed from step %d%s", self.step, ", the next step's batch as it was in flight" if stored else "")
 
     # ------------------------------------------------------------------ one step
 
@@ -257,25 +267,28 @@ class PPOTrainer:
         (nothing of it is kept: the sampler is rewound, the state it was building is dropped); once the
         updates begin the step completes. The health monitor's pre-update rules may skip the updates."""
         timer = Timer(torch_regions=self._profiling)
-        sampler_start = self.sampler.state()
+        sampler_start, redo_start = self.sampler.state(), self._redo_rows
         gc_s, gc_full = self.gc_clock.seconds, self.gc_clock.collections[2]
         try:
             with timer("step"):
                 if self.ahead is not None:
                     state, exp = self._collect_ahead(timer)
                 else:
-                    rows = self.sampler.next_batch()
-                    state, exp = ppo_step.collect(self.ctx, self.state, rows, self.step, timer,
+                    state, exp = ppo_step.collect(self.ctx, self.state, self._next_rows(), self.step, timer,
                                                   self._interrupt_point, draw=self.sampler.next_batch)
                 found = self.health.decide(exp.metrics, "pre")
                 skip = any(f.action in ("skip_update", "stop") for f in found)
                 if self.ahead is None:
                     self._interrupt_point()
                 update_metrics: dict[str, float] = {}
+                launch = self._launch_beside_critic(timer)
                 if not skip:
-                    state, update_metrics = ppo_step.update(self.ctx, state, exp, self.step, timer)
+                    state, update_metrics = ppo_step.update(self.ctx, state, exp, self.step, timer, after_actor=launch)
+                elif launch is not None:
+                    launch(state)
         except _Abandoned:
             self.sampler.load_state(sampler_start)
+            self._redo_rows = redo_start
             raise
         self.state = state
         self.step += 1
@@ -287,19 +300,33 @@ class PPOTrainer:
         metrics["perf/gc_full_collections"] = float(self.gc_clock.collections[2] - gc_full)
         return metrics
 
+    def _next_rows(self) -> np.ndarray:
+        """The next step's prompts: a stored batch's to generate again after a resume, else the sampler's."""
+        rows, self._redo_rows = self._redo_rows, None
+        return self.sampler.next_batch() if rows is None else rows
+
     def _collect_ahead(self, timer: Timer):
-        """One step ahead (jaxppo/ahead.py): this step's batch, sampled during the previous step (or now, on the
-        first), then the next step's launched with the current weights before this one trains. A stop signal ends
-        the run at the step's end: the next batch is already being generated, and the checkpoint stores it."""
+        """The batch in flight (jaxppo/ahead.py): this step's batch, sampled during the previous step (or now, on
+        the first); one step ahead, the next step's is launched with the current weights before this one trains. A
+        stop signal ends the run at the step's end: the next batch is already being generated (or this one was),
+        and the checkpoint stores it."""
         ahead = self.ahead
         if not ahead.in_flight:
-            ahead.launch(self.state, self.sampler.next_batch(), self.step, timer)
+            ahead.launch(self.state, self._next_rows(), self.step, timer)
         batch, waited = ahead.take(self.step)
         timer.times.update(batch.times)  # the generation's own phases (gen, reward), run in the background
         timer.times["timing_s/gen_wait"] = waited
-        if self.step + 1 < self.total_steps:
+        if ahead.lag == 1 and self.step + 1 < self.total_steps:
             ahead.launch(self.state, self.sampler.next_batch(), self.step + 1, timer)
         return ppo_step.collect(self.ctx, self.state, None, self.step, timer, sampled=(batch.sampled, batch.metrics))
+
+    def _launch_beside_critic(self, timer: Timer):
+        """During the critic's update (`trainer.rollout_during_critic_update`): what launches the next step's batch
+        with the updated actor's weights, called between the two updates; None otherwise (and after the last
+        step)."""
+        if self.ahead is None or self.ahead.lag != 0 or self.step + 1 >= self.total_steps:
+            return None
+        return lambda state: self.ahead.launch(state, self.sampler.next_batch(), self.step + 1, timer)
 
     @property
     def memory_estimate(self):

@@ -112,3 +112,133 @@ def test_async_rollout_implies_a_correction_and_refuses_what_it_cannot_run():
 
     with pytest.raises(ConfigError, match="one process"):
         validate_processes(load_config(base, ["trainer.async_rollout=true"]), 2)
+
+
+def test_during_the_critic_update_the_run_is_the_synchronous_run_with_the_next_generation_beside_the_critic(
+        tmp_path, one_device, monkeypatch):
+    """`trainer.rollout_during_critic_update`: every batch is sampled by the weights that then train on it, every
+    logged figure of every step equals the synchronous run's (the same computations, reordered), and the next
+    batch's generation runs while the critic updates: generation k+1 starts before the critic's update of step k
+    does, and is still in progress when that update starts (each side waits for the other's start; launched after
+    the critic's update, or finished before it, one side's wait would time out)."""
+    import threading
+
+    from bridge.engines.hf import HFEngine
+    from jaxppo import step as ppo_step
+    from jaxppo.models.hf_io import HFWeights
+    from jaxppo.train import make_engine_factory
+    from jaxppo.trainer import PPOTrainer
+
+    steps = 3
+    runs, before, seen, late = {}, [], [], []
+    cond = threading.Condition()
+    count = {"gen": 0, "critic": 0}
+
+    def until(what: str, n: int) -> bool:
+        with cond:
+            return cond.wait_for(lambda: count[what] >= n, timeout=120)
+
+    def started(what: str) -> int:
+        with cond:
+            count[what] += 1
+            cond.notify_all()
+            return count[what]
+
+    plain_generate, plain_update = HFEngine.generate, ppo_step._update
+
+    def generate(self, prompts, sampling):
+        seen.append(norm_sum((n, p.detach().numpy()) for n, p in self.model.named_parameters()))
+        n = started("gen")
+        if n >= 2 and not until("critic", n - 1):  # generation n runs during step n-1's critic update
+            late.append(f"generation {n} ended before the critic's update of step {n - 1} started")
+        return plain_generate(self, prompts, sampling)
+
+    def update(ctx, engine, *args, **kwargs):
+        if engine is ctx.critic:
+            c = started("critic")
+            if c < steps and not until("gen", c + 1):
+                late.append(f"generation {c + 1} not launched before the critic's update of step {c}")
+        return plain_update(ctx, engine, *args, **kwargs)
+
+    for overlap in (False, True):
+        cfg = load_config(ROOT / "configs" / "default.yaml", [
+            f"trainer.default_local_dir={tmp_path / f'run_{overlap}'}", *FAST, "trainer.sft_warmup_steps=0",
+            "trainer.test_freq=-1", "trainer.save_freq=-1", f"trainer.total_training_steps={steps}",
+            f"trainer.rollout_during_critic_update={str(overlap).lower()}",
+            "actor.optim.lr=1e-2"])  # weights that move: each step's are told apart
+        with monkeypatch.context() as m:
+            if overlap:
+                m.setattr(HFEngine, "generate", generate)
+                m.setattr(ppo_step, "_update", update)
+            with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+                runs[overlap] = []
+                for _ in range(steps):
+                    if overlap:
+                        before.append(norm_sum(HFWeights(trainer.state.actor.params, np.float32)))
+                    runs[overlap].append(trainer.train_step())
+                assert not trainer.ahead.in_flight if overlap else trainer.ahead is None
+    assert not late, late
+    assert count == {"gen": steps, "critic": steps}
+    assert len(set(np.round(before, 6))) == steps
+    np.testing.assert_allclose(seen, before, rtol=0, atol=1e-6)  # on-policy: each batch by its step's weights
+    for step, (sync, overlap) in enumerate(zip(runs[False], runs[True]), 1):
+        figures = [k for k in sync if not k.startswith(("timing_s/", "perf/"))]
+        assert len(figures) > 40 and set(figures) <= set(overlap)
+        for k in figures:
+            assert overlap[k] == pytest.approx(sync[k], rel=1e-6, abs=1e-7), (step, k, sync[k], overlap[k])
+    assert runs[False][-1]["actor/kl_loss"] > 0  # the weights moved: the equality is over steps that train
+
+
+def test_rollout_during_critic_update_refuses_what_it_cannot_run():
+    from jaxppo.config import validate_processes
+
+    base = ROOT / "configs" / "default.yaml"
+    cfg = load_config(base, ["trainer.rollout_during_critic_update=true"])
+    assert cfg.algorithm.rollout_correction == load_config(base).algorithm.rollout_correction  # on-policy: none implied
+    with pytest.raises(ConfigError, match="needs a critic.*grpo"):
+        load_config(base, ["trainer.rollout_during_critic_update=true", "algorithm.adv_estimator=grpo", "rollout.n=2"])
+    with pytest.raises(ConfigError, match="set one"):
+        load_config(base, ["trainer.rollout_during_critic_update=true", "trainer.async_rollout=true"])
+    with pytest.raises(ConfigError, match="rollout_during_critic_update.*filter_groups"):
+        load_config(base, ["trainer.rollout_during_critic_update=true", "algorithm.filter_groups.enable=true"])
+    with pytest.raises(ConfigError, match="rollout_during_critic_update runs in one process"):
+        validate_processes(cfg, 2)
+
+
+@pytest.mark.parametrize("resume", ["trainer.async_rollout=false", "trainer.rollout_during_critic_update=true"],
+                         ids=["synchronous", "during_critic_update"])
+def test_a_batch_one_step_stale_is_generated_again_by_a_run_resumed_on_policy(tmp_path, one_device, monkeypatch,
+                                                                              resume):
+    """A checkpoint written one step ahead stores a batch sampled by the weights before its own; resumed by a run
+    that trains on-policy, that batch is not trained on (nor dropped with its prompts): its rows are generated
+    again with the checkpoint's weights, and the sampler continues after them, as the stopped run would have."""
+    from jaxppo.ahead import Ahead
+    from jaxppo.train import make_engine_factory
+    from jaxppo.trainer import PPOTrainer
+
+    stored = []
+    plain = Ahead.state
+    monkeypatch.setattr(Ahead, "state", lambda self: stored.append(plain(self)) or stored[-1])
+    common = [*FAST, "trainer.sft_warmup_steps=0", "trainer.test_freq=-1", "trainer.total_training_steps=3"]
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        f"trainer.default_local_dir={tmp_path / 'ahead'}", *common, "trainer.save_freq=2",
+        "trainer.async_rollout=true"])
+    with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+        for _ in range(2):
+            trainer.train_step()
+        trainer.save_checkpoint()
+        sampler_after = trainer.sampler.state()
+    assert stored[0]["step"] == 2 and stored[0]["lag"] == 1  # step 3's batch (0-based step 2), one update stale
+    rows = np.asarray(stored[0]["rows"]["data"])
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        f"trainer.default_local_dir={tmp_path / 'resumed'}", *common, "trainer.save_freq=-1", resume,
+        f"trainer.resume_mode={tmp_path / 'ahead' / 'checkpoints' / '2'}"])
+    taken = []
+    with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
+        assert trainer.step == 2 and not (trainer.ahead is not None and trainer.ahead.in_flight)
+        plain_generate = trainer.ctx.engine.generate
+        trainer.ctx.engine.generate = lambda prompts, s: taken.append(prompts) or plain_generate(prompts, s)
+        trainer.train_step()
+        assert trainer.sampler.state() == sampler_after  # the stored rows were not drawn from the sampler again
+    expected = [trainer.train_ds.input_ids[i].tolist() for i in rows]
+    assert taken == [expected]

@@ -229,13 +229,16 @@ def test_health_monitor_reports_once_per_episode():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "rollouts_one_step_ahead"])
-def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path, ahead):
+@pytest.mark.parametrize("mode", ["", "trainer.async_rollout=true", "trainer.rollout_during_critic_update=true"],
+                         ids=["synchronous", "rollouts_one_step_ahead", "rollout_during_critic_update"])
+def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path, mode):
     """Stopped by SIGTERM, the run writes a checkpoint and the same command resumes it: the steps after it equal
     those of a run never stopped. One step ahead (trainer.async_rollout) a batch is in flight at every stop; the
-    checkpoint stores it and the resumed run trains on it (generating it again would sample with other weights)."""
+    checkpoint stores it and the resumed run trains on it (generating it again would sample with other weights);
+    during the critic's update the next batch is in flight at every stop too."""
+    ahead = bool(mode)
     common = [*FAST, "trainer.total_training_steps=5", "trainer.save_freq=-1", "trainer.test_freq=-1",
-              "trainer.seed=5", "trainer.sft_warmup_steps=0", f"trainer.async_rollout={str(ahead).lower()}"]
+              "trainer.seed=5", "trainer.sft_warmup_steps=0", *([mode] if mode else [])]
     straight = tmp_path / "straight"
     run_train(straight, *common)
     run = tmp_path / "stopped"
@@ -298,3 +301,38 @@ def test_a_reward_function_that_fails_on_most_samples_stops_the_run_before_any_u
                         "trainer.health.reward_errors.action=warn")
     warn.fit()
     assert warn.exit_code == 0 and sorted(read_metrics(tmp_path / "w" / "run")) == [1, 2]
+
+
+@pytest.mark.parametrize("fails_in", ["generate", "push"])
+def test_an_engine_error_is_the_one_raised_when_the_sleep_after_it_fails_too(fails_in, caplog):
+    """`jaxppo.step.awake`: on the way out of a failed call the engine is put back to sleep; when that sleep fails
+    too (the failure ended the engine's process), the first error is the one raised, the sleep's is logged. The
+    calls the engine saw are the ordinary ones, and a call that succeeds still sleeps (and raises its sleep's error)."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Engine:
+        def wake(self):
+            calls.append("wake")
+
+        def update_weights(self, weights):
+            calls.append("update_weights")
+            if fails_in == "push":
+                raise RuntimeError("push failed")
+
+        def sleep(self):
+            calls.append("sleep")
+            raise ConnectionResetError("the engine's process is gone")
+
+    ctx = SimpleNamespace(engine=Engine(), cfg=SimpleNamespace(rollout=SimpleNamespace(free_cache_engine=True)),
+                          rollout_weights=lambda params: params)
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match=f"{fails_in} failed"):
+        with ppo_step.awake(ctx, {}):
+            raise RuntimeError("generate failed")
+    assert calls == ["wake", "update_weights", "sleep"]
+    assert "sleep failed" in caplog.text and "process is gone" in caplog.text
+    if fails_in == "generate":
+        with pytest.raises(ConnectionResetError):  # no error before it: the sleep's own is raised
+            with ppo_step.awake(ctx, {}):
+                pass

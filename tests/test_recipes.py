@@ -90,9 +90,9 @@ def test_dynamic_sampling_refills_the_batch_through_the_trainer(tmp_path, monkey
     seen = []
     inner = ppo_step.update
 
-    def spy(ctx, state, exp, step, timer):
+    def spy(ctx, state, exp, step, timer, **kw):
         seen.append((exp.batch["input_ids"].shape[0], exp.metrics))
-        return inner(ctx, state, exp, step, timer)
+        return inner(ctx, state, exp, step, timer, **kw)
 
     monkeypatch.setattr(ppo_step, "update", spy)
     trainer = PPOTrainer(cfg, make_engine_factory(cfg))

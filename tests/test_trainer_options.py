@@ -43,9 +43,9 @@ def test_truncated_is_weights_reach_the_actor_batch(tmp_path, monkeypatch):
     seen = []
     inner = ppo_step.update
 
-    def spy(ctx, state, exp, step, timer):
+    def spy(ctx, state, exp, step, timer, **kw):
         seen.append((exp.batch.get("is_weights"), exp.batch["response_mask"]))
-        return inner(ctx, state, exp, step, timer)
+        return inner(ctx, state, exp, step, timer, **kw)
 
     monkeypatch.setattr(ppo_step, "update", spy)
     tr = make_trainer(tmp_path, "trainer.total_training_steps=1", "actor.tis_threshold=1.5")

@@ -53,9 +53,10 @@ def trained_models(cfg: Config) -> tuple[tuple[str, Any], ...]:
 def validate_processes(cfg: Config, processes: int) -> None:
     """What several processes need: every batch splits evenly over them."""
     d = cfg.data
-    if cfg.trainer.async_rollout and processes > 1:
-        raise ConfigError(f"trainer.async_rollout runs in one process ({processes} here): its rollout thread and "
-                          "the processes' collectives would interleave")
+    for key in ("async_rollout", "rollout_during_critic_update"):
+        if getattr(cfg.trainer, key) and processes > 1:
+            raise ConfigError(f"trainer.{key} runs in one process ({processes} here): its rollout thread and the "
+                              "processes' collectives would interleave")
     if d.train_batch_size % processes:
         raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) does not split over {processes} processes")
     if d.gen_batch_size % processes:
@@ -385,9 +386,17 @@ def _check_trainer(cfg: Config) -> None:
     _check(all(s >= 1 for s in t.profile_steps), "trainer.profile_steps are 1-based step numbers")
     _check(bool(t.profile_tools) and set(t.profile_tools) <= {"jax", "torch", "python"},
            f"trainer.profile_tools: one or more of jax, torch, python; got {list(t.profile_tools)}")
-    _check(not (t.async_rollout and cfg.algorithm.filter_groups.enable),
-           "trainer.async_rollout with algorithm.filter_groups.enable: dynamic sampling's further generation rounds "
-           "depend on the step's scores; use one or the other")
+    for key in ("async_rollout", "rollout_during_critic_update"):
+        _check(not (getattr(t, key) and cfg.algorithm.filter_groups.enable),
+               f"trainer.{key} with algorithm.filter_groups.enable: dynamic sampling's further generation rounds "
+               "depend on the step's scores; use one or the other")
+    _check(not (t.async_rollout and t.rollout_during_critic_update),
+           "trainer.async_rollout and trainer.rollout_during_critic_update: the next batch is generated either one "
+           "step ahead (off-policy) or while the critic updates (on-policy); set one")
+    _check(not t.rollout_during_critic_update or uses_critic(cfg),
+           f"trainer.rollout_during_critic_update needs a critic to update beside the generation; "
+           f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} has none (trainer.async_rollout overlaps the "
+           "generation with the actor's update, one step off-policy)")
     _check(cfg.mesh.fsdp_gather == "layer" or cfg.mesh.tensor == 1, "mesh.fsdp_gather=update needs mesh.tensor=1")
 
 

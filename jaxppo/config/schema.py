@@ -321,6 +321,11 @@ class TrainerConfig:
     # algorithm.rollout_correction (when none is set: bypass mode, or token-level truncated IS at 2.0 for a policy
     # loss that is not PPO's; jaxppo/config/loading.py)
     async_rollout: bool = False
+    # the next step's batch generated while the critic updates (jaxppo/ahead.py): the actor updates first, its new
+    # weights are pushed and the engine, kept awake, samples step k+1's batch in the background while the critic
+    # trains on step k's. The two updates read the same batch and not each other's results, so this is the
+    # synchronous step exactly (on-policy), reordered; it needs a critic, and excludes trainer.async_rollout
+    rollout_during_critic_update: bool = False
     compilation_cache_dir: str = "~/.cache/jaxppo/xla"  # JAX's persistent compilation cache ("": off)
     critic_warmup: int = 0  # steps updating only the critic
     sft_warmup_steps: int = 0  # supervised warm start steps on extra_info.answer (synthetic task); with
