@@ -6,9 +6,9 @@ whether the training scores agree.
 Modes: `sync` (the synchronous step), `critic` (`trainer.rollout_during_critic_update=true`: the next batch generated
 while the critic updates, on-policy) and `ahead` (`trainer.async_rollout=true`: one step ahead, off-policy). Each run
 is a fresh `python -m jaxppo.train` in its own run directory (no validation, no checkpoints); the medians are over
-its steps after the first `--skip`. The training score's mean over the run tells an on-policy mode (equal to the
-synchronous run's, to the float) from one that learns otherwise. Appends one `"bench": "step_modes"` row per run
-to the ledger named by `--ledger` (none by default).
+its steps after the first `--skip`. The means over the run of the training score and of the actor's gradient norm
+tell an on-policy mode (equal to the synchronous run's, to the float) from one that learns otherwise. Appends one
+`"bench": "step_modes"` row per run to the ledger named by `--ledger` (none by default).
 """
 
 from __future__ import annotations
@@ -67,11 +67,14 @@ def main() -> None:
         timed = rows[a.skip:]
         med = {p: float(np.median([r.get(f"timing_s/{p}", 0.0) for r in timed])) for p in PHASES}
         score = float(np.mean([r["critic/score/mean"] for r in rows]))
+        grad = float(np.mean([r.get("actor/grad_norm", np.nan) for r in rows]))  # a fingerprint of what trained
         print(f"{mode:8} {wall:7.1f} " + " ".join(f"{med[p]:13.3f}" for p in PHASES) + f"  {score!r}", flush=True)
         if a.ledger:
-            figures = {"wall_s": wall, "score_mean": score, **{f"timing_s/{p}": v for p, v in med.items()}}
+            figures = {"wall_s": wall, "score_mean": score, "actor_grad_norm_mean": grad,
+                       **{f"timing_s/{p}": v for p, v in med.items()}}
             row = ledger.make_row("step_modes", figures, config=a.config, overrides=[*MODES[mode], *a.overrides],
-                                  samples={"timing_s": len(timed), "score_mean": len(rows)}, mode=mode)
+                                  samples={"timing_s": len(timed), "score_mean": len(rows),
+                                           "actor_grad_norm_mean": len(rows)}, mode=mode)
             ledger.append(row, a.ledger)
 
 

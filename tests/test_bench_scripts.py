@@ -168,7 +168,8 @@ def test_bench_packing_runs_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_compare_modes_records_each_run_and_the_on_policy_modes_train_alike(tmp_path):
     """scripts/compare_modes.py: a ledger row per run with its phases; the synchronous run and the one with the next
-    batch generated during the critic's update (the same computations, reordered) log the same training score."""
+    batch generated during the critic's update (the same computations, reordered) log the same training score and
+    actor gradient norms."""
     from tests.train_helpers import FAST
 
     led = tmp_path / "l.jsonl"
@@ -179,9 +180,10 @@ def test_compare_modes_records_each_run_and_the_on_policy_modes_train_alike(tmp_
     assert [r["mode"] for r in rows] == ["sync", "critic"] and "critic" in res.stdout
     for r in rows:
         check_row(r, "step_modes")
-        assert r["figures"]["timing_s/step"] > 0 and r["samples"] == {"timing_s": 2, "score_mean": 3}
+        assert r["figures"]["timing_s/step"] > 0 and r["samples"]["timing_s"] == 2
     assert rows[1]["overrides"][0] == "trainer.rollout_during_critic_update=true"
-    assert rows[0]["figures"]["score_mean"] == rows[1]["figures"]["score_mean"] > 0
+    assert rows[0]["figures"]["score_mean"] == rows[1]["figures"]["score_mean"]
+    assert rows[0]["figures"]["actor_grad_norm_mean"] == rows[1]["figures"]["actor_grad_norm_mean"] > 0
 
 
 def test_bench_vllm_sampling_refuses_an_unknown_way_before_starting_an_engine(capsys):
