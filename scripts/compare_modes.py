@@ -45,6 +45,15 @@ def run(config: str, mode: str, steps: int, overrides: list[str], run_dir: Path)
     return [r for r in rows if "timing_s/step" in r], wall
 
 
+def fresh_dir(workdir: Path, mode: str) -> Path:
+    """`<workdir>/<mode>_<i>` with the first i not taken: a mode may be named twice, and a run directory already in
+    `--workdir` (an earlier comparison's) is never trained into again."""
+    i = 0
+    while (workdir / f"{mode}_{i}").exists():
+        i += 1
+    return workdir / f"{mode}_{i}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/default.yaml")
@@ -62,7 +71,7 @@ def main() -> None:
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="jaxppo_modes_"))
     print(f"{'mode':8} {'wall s':>7} " + " ".join(f"{p:>13}" for p in PHASES) + "  training score (mean)")
     for mode in modes:
-        run_dir = workdir / f"{mode}_{len(list(workdir.glob(mode + '_*')))}"  # a mode may be named twice
+        run_dir = fresh_dir(workdir, mode)
         rows, wall = run(a.config, mode, a.steps, a.overrides, run_dir)
         timed = rows[a.skip:]
         med = {p: float(np.median([r.get(f"timing_s/{p}", 0.0) for r in timed])) for p in PHASES}

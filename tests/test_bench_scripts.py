@@ -173,6 +173,8 @@ def test_compare_modes_records_each_run_and_the_on_policy_modes_train_alike(tmp_
     from tests.train_helpers import FAST
 
     led = tmp_path / "l.jsonl"
+    for earlier in ("sync_0", "sync_2"):  # an earlier comparison's run directories: never trained into again
+        (tmp_path / "w" / earlier).mkdir(parents=True)
     res = run_script("compare_modes.py", "--steps", "3", "--skip", "1", "--modes", "sync,critic", "--workdir",
                      str(tmp_path / "w"), "--ledger", str(led), *FAST,
                      "actor.optim.lr=1e-2")
@@ -184,6 +186,8 @@ def test_compare_modes_records_each_run_and_the_on_policy_modes_train_alike(tmp_
     assert rows[1]["overrides"][0] == "trainer.rollout_during_critic_update=true"
     assert rows[0]["figures"]["score_mean"] == rows[1]["figures"]["score_mean"]
     assert rows[0]["figures"]["actor_grad_norm_mean"] == rows[1]["figures"]["actor_grad_norm_mean"] > 0
+    assert (tmp_path / "w" / "sync_1" / "metrics.jsonl").is_file()
+    assert not any((tmp_path / "w" / earlier / "metrics.jsonl").exists() for earlier in ("sync_0", "sync_2"))
 
 
 def test_bench_vllm_sampling_refuses_an_unknown_way_before_starting_an_engine(capsys):
