@@ -36,7 +36,7 @@ queue() {
   # critic05 / critic15: the committed PPO configs with the next batch generated while the critic updates
   # (trainer.rollout_during_critic_update: on-policy, the synchronous step reordered; jaxppo/ahead.py);
   # critic05_helper: the same with the engine in a helper process (rollout.engine_in_trainer=false)
-  # async15_helper / lora7b_ahead_helper: one step ahead with the engine in a helper process at 1.5B and on the 7B
+  # async15_helper / lora7b_ahead_helper (and their _mps): one step ahead with the engine in a helper process at 1.5B and on the 7B
   # LoRA config (at 0.5B, 2026-12-05: 2.76 s against 3.68 s synchronous)
   # sync05_noprefix / sync15_noprefix: the committed PPO configs with vLLM's prefix caching off (rollout.enable_prefix_caching)
   # knobs05*: standalone vLLM at the 0.5B config's generation (256 x 256 tokens, no log-probs, the trainer's
@@ -51,6 +51,9 @@ queue() {
   # the trainer's, and standalone's best at ea0f402); engines05_mps: engines05's runs (synchronous scheduling) under
   # CUDA MPS (the processes' kernels at once, not time-sliced), the daemon started for that job and stopped after it
   local P="$PY scripts/bench_ppo_step.py"
+  # *_mps: the job under CUDA MPS, the daemon started for it and stopped after it (its exit status kept)
+  local MPS_ON="export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d &&"
+  local MPS_OFF="; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 critic05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/critic05.json --workdir $Q/w/critic05 trainer.rollout_during_critic_update=true
@@ -58,6 +61,8 @@ critic05_helper|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b
 critic15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/critic15.json --workdir $Q/w/critic15 trainer.rollout_during_critic_update=true
 async15_helper|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15_helper.json --workdir $Q/w/async15_helper trainer.async_rollout=true rollout.engine_in_trainer=false
 lora7b_ahead_helper|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_helper.json --workdir $Q/w/lora7b_ahead_helper trainer.async_rollout=true rollout.engine_in_trainer=false
+async15_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15_helper_mps.json --workdir $Q/w/async15_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
+lora7b_ahead_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_helper_mps.json --workdir $Q/w/lora7b_ahead_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
 sync05_noprefix|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_noprefix.json --workdir $Q/w/sync05_noprefix rollout.enable_prefix_caching=false
 sync15_noprefix|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15_noprefix.json --workdir $Q/w/sync15_noprefix rollout.enable_prefix_caching=false
 sync05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_procs2.json --workdir $Q/w/sync05_procs2 rollout.engine_processes=2
