@@ -59,7 +59,7 @@ class Timer:
         self.torch_regions = torch_regions
         self.cpu_phases = cpu_phases
 
-    def _add(self, key: str, value: float) -> None:
+    def add(self, key: str, value: float) -> None:
         self.times[key] = self.times.get(key, 0.0) + value
 
     @contextlib.contextmanager
@@ -75,13 +75,13 @@ class Timer:
 
                 stack.enter_context(torch.profiler.record_function(name))
             yield
-        self._add(f"timing_s/{name}", time.perf_counter() - t0)
+        self.add(f"timing_s/{name}", time.perf_counter() - t0)
         if cpu:
-            self._add(f"perf/cpu_s/{name}", time.process_time() - c0)
-            self._add(f"perf/ctx_switches/{name}", float(perf.involuntary_switches() - s0))
+            self.add(f"perf/cpu_s/{name}", time.process_time() - c0)
+            self.add(f"perf/ctx_switches/{name}", float(perf.involuntary_switches() - s0))
             st1 = perf.steal_seconds()
             if st0 is not None and st1 is not None:
-                self._add(f"perf/steal_s/{name}", st1 - st0)
+                self.add(f"perf/steal_s/{name}", st1 - st0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +344,8 @@ def sample(ctx: StepContext, state: PPOState, rows: np.ndarray, step: int, timer
             sampling = rollout_sampling(cfg, cfg.trainer.seed * 1_000_003 + step + 7_919 * rounds, step)
             with timer("gen"):
                 ro = ctx.engine.generate([p.tolist() for p in prompts], sampling)
+            for key, seconds in getattr(ctx.engine, "call_timings", dict)().items():  # several engine processes
+                timer.add(key, seconds)
             interrupt()
             with timer("reward"):
                 raw, scores, counts = shaped_scores(ctx, mine, prompts, ro)

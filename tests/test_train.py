@@ -65,6 +65,16 @@ def test_three_steps_every_metric_finite(engine, processes, in_trainer, verl_dat
             assert key in metrics[step] and math.isfinite(metrics[step][key]), (step, key)
     for key in MISMATCH:
         assert math.isfinite(metrics[1][key]) and key not in metrics[2] and key not in metrics[3], key
+    for step in (1, 2, 3):  # with engine processes, each engine's seconds of the call: none longer than the call
+        m = metrics[step]
+        engines = {k for k in m if k.startswith("timing_s/gen_engine")}
+        assert engines == ({f"timing_s/gen_engine{j}" for j in range(processes)} if engine == "vllm" and
+                           (processes > 1 or not in_trainer) else set()), (step, engines)
+        assert all(0 < m[k] <= m["timing_s/gen"] for k in engines), (step, m)
+        helpers = {k for k in m if k.startswith("perf/cpu_s/gen_engine")}
+        assert helpers == {f"perf/cpu_s/gen_engine{j}" for j in range(processes) if j > 0 or not in_trainer} & {
+            f"perf/cpu_s/gen_engine{k[len('timing_s/gen_engine'):]}" for k in engines}, (step, helpers)
+        assert all(m[k] > 0 for k in helpers)
     assert "val/openai/gsm8k/score" in metrics[0] and "val/openai/gsm8k/score" in metrics[2]
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "3").is_dir()
 

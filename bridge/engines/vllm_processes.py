@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -88,8 +89,9 @@ def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
             elif op == "load":
                 engine.update_weights(list(shared.items()))
                 out = None
-            elif op == "generate":
-                out = engine.generate(msg[1], msg[2])
+            elif op == "generate":  # with its wall and CPU seconds (this process's, all its threads)
+                t0, c0 = time.perf_counter(), time.process_time()
+                out = engine.generate(msg[1], msg[2]), time.perf_counter() - t0, time.process_time() - c0
             elif op in ("sleep", "wake"):
                 getattr(engine, op)()
                 out = None
@@ -119,6 +121,7 @@ class VLLMProcesses:
         self._dtype = getattr(torch, kwargs.get("dtype", "bfloat16"))
         self._info: dict[str, Any] = {}  # the first helper's engine, as it reported itself at its start
         self._ended: set[int] = set()  # helpers known to have ended (after an error, or a closed pipe)
+        self.last_call: dict[str, float] = {}  # the last generation's seconds per engine (`call_timings`)
         ctx = tmp.get_context("spawn")  # a fresh interpreter: no CUDA or JAX state inherited
         self._conns, self._procs = [], []
         try:
@@ -225,9 +228,21 @@ class VLLMProcesses:
         for j in asked:
             seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + j)
             self._send(j + 1 - first, "generate", chunks[j], seeded)
-        parts = [self.local.generate(chunks[0], sampling)] if first and chunks[0] else []
-        parts += [self._answer(j + 1 - first, "generate") for j in asked]
+        t0, timings, parts = time.perf_counter(), {}, []
+        if first and chunks[0]:
+            parts.append(self.local.generate(chunks[0], sampling))
+            timings["timing_s/gen_engine0"] = time.perf_counter() - t0
+        for j in asked:
+            out, wall, cpu = self._answer(j + 1 - first, "generate")
+            parts.append(out)
+            timings[f"timing_s/gen_engine{j}"], timings[f"perf/cpu_s/gen_engine{j}"] = wall, cpu
+        self.last_call = timings
         return Rollouts.concat(parts, [len(c) for c in chunks if c], self.pad_token_id)
+
+    def call_timings(self) -> dict[str, float]:
+        """The last generation's seconds in each engine (chunk j's engine: `timing_s/gen_engine<j>`, wall from the
+        call's start; a helper's own CPU seconds `perf/cpu_s/gen_engine<j>`): which engine the call waited for."""
+        return dict(self.last_call)
 
     def sleep(self) -> None:
         self._all("sleep")

@@ -32,12 +32,13 @@ queue() {
   # async05_helper: one step ahead with the one engine in a helper process (rollout.engine_in_trainer=false: no vLLM
   # work in the trainer's process, the GPU time-sliced between the two); async05_helper_mps: the same under CUDA MPS
   # (the helper's decode kernels beside XLA's, not in turns); sync05_helper: the synchronous step so, for the push
-  # through the shared copy and the helper's generation against the in-process engine's (sync05)
+  # through the shared copy and the helper's generation against the in-process engine's (sync05);
+  # sync05_helpers2(_mps): the synchronous step with two engines, both helpers (none in the trainer's process)
   # critic05 / critic15: the committed PPO configs with the next batch generated while the critic updates
   # (trainer.rollout_during_critic_update: on-policy, the synchronous step reordered; jaxppo/ahead.py);
   # critic05_helper: the same with the engine in a helper process (rollout.engine_in_trainer=false)
-  # async15_helper / lora7b_ahead_helper (and their _mps): one step ahead with the engine in a helper process at 1.5B and on the 7B
-  # LoRA config (at 0.5B, 2026-12-05: 2.76 s against 3.68 s synchronous)
+  # async15_helper / lora7b_ahead_helper (and their _mps): one step ahead with the engine in a helper process at
+  # 1.5B and on the 7B LoRA config (at 0.5B, 2026-12-05: 2.76 s against 3.68 s synchronous)
   # sync05_noprefix / sync15_noprefix: the committed PPO configs with vLLM's prefix caching off (rollout.enable_prefix_caching)
   # knobs05*: standalone vLLM at the 0.5B config's generation (256 x 256 tokens, no log-probs, the trainer's
   # max_model_len), one engine per process: vLLM's defaults (asynchronous scheduling, prefix caching) against
@@ -70,6 +71,8 @@ sync15_procs2|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b -
 async05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_procs2.json --workdir $Q/w/async05_procs2 trainer.async_rollout=true rollout.engine_processes=2
 async05_helper|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_helper.json --workdir $Q/w/async05_helper trainer.async_rollout=true rollout.engine_in_trainer=false
 async05_helper_mps|export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d && $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_helper_mps.json --workdir $Q/w/async05_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc
+sync05_helpers2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_helpers2.json --workdir $Q/w/sync05_helpers2 rollout.engine_processes=2 rollout.engine_in_trainer=false
+sync05_helpers2_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_helpers2_mps.json --workdir $Q/w/sync05_helpers2_mps rollout.engine_processes=2 rollout.engine_in_trainer=false $MPS_OFF
 sync05_helper|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_helper.json --workdir $Q/w/sync05_helper rollout.engine_in_trainer=false
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
 awake05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/awake05.json --workdir $Q/w/awake05 rollout.free_cache_engine=false
