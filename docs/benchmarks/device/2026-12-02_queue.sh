@@ -33,7 +33,8 @@ queue() {
   # work in the trainer's process, the GPU time-sliced between the two); async05_helper_mps: the same under CUDA MPS
   # (the helper's decode kernels beside XLA's, not in turns); sync05_helper: the synchronous step so, for the push
   # through the shared copy and the helper's generation against the in-process engine's (sync05);
-  # sync05_helpers2(_mps): the synchronous step with two engines, both helpers (none in the trainer's process)
+  # sync05_helpers2(_mps) / sync05_helpers4: the synchronous step with two / four engines, all helpers (none in the
+  # trainer's process)
   # critic05 / critic15: the committed PPO configs with the next batch generated while the critic updates
   # (trainer.rollout_during_critic_update: on-policy, the synchronous step reordered; jaxppo/ahead.py);
   # critic05_helper: the same with the engine in a helper process (rollout.engine_in_trainer=false)
@@ -72,6 +73,7 @@ async05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b 
 async05_helper|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_helper.json --workdir $Q/w/async05_helper trainer.async_rollout=true rollout.engine_in_trainer=false
 async05_helper_mps|export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d && $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_helper_mps.json --workdir $Q/w/async05_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc
 sync05_helpers2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_helpers2.json --workdir $Q/w/sync05_helpers2 rollout.engine_processes=2 rollout.engine_in_trainer=false
+sync05_helpers4|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_helpers4.json --workdir $Q/w/sync05_helpers4 rollout.engine_processes=4 rollout.engine_in_trainer=false
 sync05_helpers2_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_helpers2_mps.json --workdir $Q/w/sync05_helpers2_mps rollout.engine_processes=2 rollout.engine_in_trainer=false $MPS_OFF
 sync05_helper|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_helper.json --workdir $Q/w/sync05_helper rollout.engine_in_trainer=false
 async05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05.json --workdir $Q/w/async05 trainer.async_rollout=true
