@@ -8,9 +8,11 @@ as with one engine); the others are helper processes (spawned, started one after
 that its share of the card is free), each running a `VLLMEngine` of its own. Their weights come from one shared copy
 in the engines' dtype, allocated once in this process: CUDA tensors from torch's allocator, whose IPC handles the
 helpers open once (CPU: tensors in shared memory). A push fills it from the pushed arrays (one cast copy on the
-device), then every helper loads it into its own parameters (vLLM's `load_weights`). XLA's buffers cannot be handed
-to another process directly (they are not torch's allocations, and the update donates them), hence the copy; the
-memory plan counts it, with each helper's weights, graphs and CUDA context (jaxppo/plan.py `vllm_fixed`).
+device), then every helper loads it into its own parameters (vLLM's `load_weights`) while this process goes on:
+the trainer waits for a helper's load only at its next request (one step ahead, the next generation's; the next push
+waits for it too, before it writes the copy again). XLA's buffers cannot be handed to another process directly (they
+are not torch's allocations, and the update donates them), hence the copy; the memory plan counts it, with each
+helper's weights, graphs and CUDA context (jaxppo/plan.py `vllm_fixed`).
 
 With `in_trainer=False` (`rollout.engine_in_trainer=false`) every engine is a helper, even a single one: the trainer's
 process then runs none of vLLM's host work (its scheduling, its threads that wait on the GPU), which otherwise shares
@@ -122,6 +124,7 @@ class VLLMProcesses:
         self._info: dict[str, Any] = {}  # the first helper's engine, as it reported itself at its start
         self._ended: set[int] = set()  # helpers known to have ended (after an error, or a closed pipe)
         self.last_call: dict[str, float] = {}  # the last generation's seconds per engine (`call_timings`)
+        self._loading: set[int] = set()  # helpers whose answer to the last push is still to be read (`_answer`)
         ctx = tmp.get_context("spawn")  # a fresh interpreter: no CUDA or JAX state inherited
         self._conns, self._procs = [], []
         try:
@@ -153,6 +156,17 @@ class VLLMProcesses:
         return range(1, len(self._conns) + 1)
 
     def _answer(self, i: int, what: str, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """Helper i's answer to `what`, after its answer to a push not yet read (a failed load is raised here)."""
+        self._settle(i)
+        return self._read(i, what, timeout)
+
+    def _settle(self, i: int) -> None:
+        """Read helper i's answer to the last push if not yet read (`update_weights` does not wait for it)."""
+        if i in self._loading:
+            self._loading.discard(i)
+            self._read(i, "the weight push")
+
+    def _read(self, i: int, what: str, timeout: float = CALL_TIMEOUT_S) -> Any:
         conn = self._conns[i - 1]
         try:
             if not conn.poll(timeout):
@@ -197,6 +211,8 @@ class VLLMProcesses:
         """This process's engine as with one engine; the helpers from the shared copy, filled from the same arrays."""
         if self.local and not isinstance(named_arrays, (HFWeights, LoRAWeights)):
             named_arrays = list(named_arrays)  # iterated twice: the shared copy, then this process's engine
+        for i in sorted(self._loading):  # the last push loaded everywhere before the shared copy is written again
+            self._settle(i)
         shared, new = self._shared or {}, self._shared is None
         with torch.no_grad():
             for name, array in named_arrays:
@@ -213,12 +229,11 @@ class VLLMProcesses:
                 self._send(i, "shared", shared)
             for i in self._helpers:
                 self._answer(i, "the shared weights")
-        for i in self._helpers:
-            self._send(i, "load")
+        for i in self._helpers:  # each loads the copy into its engine beside this process's next work; its answer
+            self._send(i, "load")  # is read before its next one (a request sent meanwhile queues behind the load)
+        self._loading.update(self._helpers)
         if self.local:
             self.local.update_weights(named_arrays)
-        for i in self._helpers:
-            self._answer(i, "the weight push")
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: Sampling) -> Rollouts:
         chunks = [[list(map(int, prompt_token_ids[j])) for j in c]

@@ -1,0 +1,107 @@
+"""bridge/engines/vllm_processes.py's protocol with its helpers, against helpers played by threads on the other end
+of real pipes (no vLLM): a push does not wait for the helpers' loads, the next request does, and a failed load is
+raised there, naming the push. The engines for real: tests/test_train.py (`vllm-two-processes`, `vllm-helper-only`)."""
+
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from bridge.engines.vllm_processes import VLLMProcesses
+from jaxppo.rollout import Rollouts, Sampling
+
+
+class FakeHelper:
+    """`_serve`'s answers, one request at a time; a load blocks until `release` is set (or fails, `fail_load`)."""
+
+    def __init__(self, conn, fail_load: bool = False):
+        self.conn, self.fail_load = conn, fail_load
+        self.release = threading.Event()
+        self.log: list[str] = []
+        self.loaded: list[float] = []  # the shared copy's first value at each load
+        self.shared: dict[str, torch.Tensor] = {}
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                msg = self.conn.recv()
+            except EOFError:  # the test's end closed
+                return
+            op = msg[0]
+            self.log.append(op)
+            if op == "stop":
+                return
+            if op == "shared":
+                self.shared = msg[1]
+                self.conn.send(("ok", None))
+            elif op == "load":
+                assert self.release.wait(60), "the test never released the load"
+                if self.fail_load:
+                    self.conn.send(("error", "ValueError: no parameter named 'w'"))
+                    return
+                self.loaded.append(float(self.shared["w"].flatten()[0]))
+                self.conn.send(("ok", None))
+            elif op == "generate":
+                n = len(msg[1])
+                ro = Rollouts(np.ones((n, 2), np.int32), np.ones((n, 2), np.float32), np.zeros((n, 2), np.float32),
+                              ["stop"] * n, np.arange(n, dtype=np.int32))
+                self.conn.send(("ok", (ro, 0.5, 0.25)))
+
+
+def processes(helpers: list[FakeHelper], conns) -> VLLMProcesses:
+    """A `VLLMProcesses` of helpers only (`in_trainer=False`) whose pipes lead to `helpers`."""
+    vp = object.__new__(VLLMProcesses)
+    vp.local, vp.start_s, vp.pad_token_id, vp.gpu = None, 0.0, 0, False
+    vp._shared, vp._dtype, vp._info, vp._ended = None, torch.float32, {}, set()
+    vp.last_call, vp._loading = {}, set()
+    vp._conns, vp._procs = list(conns), []
+    return vp
+
+
+def pair(fail_load=False):
+    parent, child = multiprocessing.Pipe()
+    return parent, FakeHelper(child, fail_load)
+
+
+def test_a_push_returns_before_the_helpers_load_and_the_next_generation_waits_for_it():
+    (c1, h1), (c2, h2) = pair(), pair()
+    vp = processes([h1, h2], [c1, c2])
+    vp.update_weights([("w", torch.full((2, 2), 3.0))])  # returns with both loads still blocked
+    assert vp._loading == {1, 2} and h1.loaded == [] and h2.loaded == []
+    h1.release.set()
+    h2.release.set()
+    ro = vp.generate([[1, 2], [3], [4, 5]], Sampling(max_tokens=2, temperature=1.0, seed=0))
+    assert len(ro.finish_reasons) == 3 and h1.loaded == [3.0] and h2.loaded == [3.0]
+    assert h1.log == ["shared", "load", "generate"] and vp._loading == set()
+    assert vp.call_timings() == {"timing_s/gen_engine0": 0.5, "perf/cpu_s/gen_engine0": 0.25,
+                                 "timing_s/gen_engine1": 0.5, "perf/cpu_s/gen_engine1": 0.25}
+    vp.close()
+
+
+def test_the_next_push_waits_for_the_last_load_before_it_writes_the_shared_copy_again():
+    (c1, h1), = [pair()]
+    vp = processes([h1], [c1])
+    vp.update_weights([("w", torch.full((3,), 1.0))])  # its load blocked in the helper
+    second = threading.Thread(target=vp.update_weights, args=([("w", torch.full((3,), 2.0))],))
+    second.start()  # no generation between the two pushes
+    second.join(2.0)
+    assert second.is_alive(), "the second push went on while the helper was still loading the first"
+    h1.release.set()
+    second.join(60)
+    vp.generate([[1]], Sampling(max_tokens=2, temperature=1.0, seed=0))
+    assert h1.loaded == [1.0, 2.0], h1.loaded  # each load read its own push's values
+    vp.close()
+
+
+def test_a_failed_load_is_raised_at_the_next_request_naming_the_push():
+    (c1, h1), = [pair(fail_load=True)]
+    vp = processes([h1], [c1])
+    h1.release.set()
+    vp.update_weights([("w", torch.zeros(2))])  # the push itself returns
+    with pytest.raises(RuntimeError, match=r"engine process 1, the weight push: ValueError: no parameter named 'w'"):
+        vp.generate([[1]], Sampling(max_tokens=2, temperature=1.0, seed=0))
+    assert 1 in vp._ended
