@@ -53,7 +53,9 @@ queue() {
   # the trainer's, and standalone's best at ea0f402); engines05_mps: engines05's runs (synchronous scheduling) under
   # CUDA MPS (the processes' kernels at once, not time-sliced), the daemon started for that job and stopped after it
   local P="$PY scripts/bench_ppo_step.py"
-  # *_mps: the job under CUDA MPS, the daemon started for it and stopped after it (its exit status kept)
+  # *_mps: the job under CUDA MPS, the daemon started for it and stopped after it (its exit status kept); *_mps80:
+  # each process's kernels on at most 80 % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, inherited by the helper):
+  # under plain MPS at 0.5B (2026-12-05) XLA's kernels took the card and the helper's generation starved (3.3 s)
   local MPS_ON="export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d &&"
   local MPS_OFF="; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
   cat <<EOF
@@ -64,6 +66,8 @@ critic15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --step
 async15_helper|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15_helper.json --workdir $Q/w/async15_helper trainer.async_rollout=true rollout.engine_in_trainer=false
 lora7b_ahead_helper|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_helper.json --workdir $Q/w/lora7b_ahead_helper trainer.async_rollout=true rollout.engine_in_trainer=false
 async15_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15_helper_mps.json --workdir $Q/w/async15_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
+async05_helper_mps80|export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=80 && $MPS_ON $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_helper_mps80.json --workdir $Q/w/async05_helper_mps80 trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
+async15_helper_mps80|export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=80 && $MPS_ON $B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15_helper_mps80.json --workdir $Q/w/async15_helper_mps80 trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
 lora7b_ahead_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_helper_mps.json --workdir $Q/w/lora7b_ahead_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
 sync05_noprefix|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_noprefix.json --workdir $Q/w/sync05_noprefix rollout.enable_prefix_caching=false
 sync15_noprefix|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15_noprefix.json --workdir $Q/w/sync15_noprefix rollout.enable_prefix_caching=false
