@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
-import io
 import gc
 import logging
-import pstats
 import signal
 import sys
 import threading
@@ -41,6 +39,7 @@ from jaxppo.perf import device_peak_flops, flops_model, gc_clock
 from jaxppo.rollout import RolloutEngine
 from jaxppo.setup import (DTYPES, check_warm_model, engine_dtype, lock_run_dir, make_run_dir, prepare_model_dir,
                           truncate_metrics, write_atomic)
+from jaxppo.profiling import write_python_profile
 from jaxppo.step import PPOState, StepContext, Timer, single_update
 from jaxppo.warmstart import sft_warm_start
 
@@ -389,7 +388,8 @@ class PPOTrainer:
         """A profiler trace of step `step` when it is in trainer.profile_steps: JAX's (TensorBoard / Perfetto) and
         torch's (the rollout engine; on a GPU every kernel of the process) as trainer.profile_tools names, torch's
         only when torch is loaded, both with the same region names; `python`: cProfile of the step's thread
-        (the host's side: which functions, the engine's among them, the time went to)."""
+        (the host's side: which functions, the engine's among them, the time went to). vLLM engines in helper
+        processes profile each generation they run for the step with the same tools (`engine<j>_call<n>/`)."""
         t = self.cfg.trainer
         if step not in t.profile_steps:
             yield
@@ -405,6 +405,9 @@ class PPOTrainer:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             torch_prof = torch.profiler.profile(activities=acts)
         py_prof = cProfile.Profile() if "python" in t.profile_tools else None
+        helpers = getattr(self.ctx.engine, "profile_calls", None)  # vLLM helper processes profile their own calls
+        if helpers is not None:
+            helpers(out, tuple(t.profile_tools))
         self._profiling = True
         try:
             with contextlib.ExitStack() as stack:
@@ -421,6 +424,8 @@ class PPOTrainer:
                 yield
         finally:
             self._profiling = False
+            if helpers is not None:
+                helpers(None, ())
             if torch_prof is not None:
                 torch_prof.export_chrome_trace(str(out / "torch_trace.json"))
             if py_prof is not None:
@@ -529,17 +534,6 @@ class PPOTrainer:
         if (t.save_freq > 0 and self.step % t.save_freq == 0) or done or self.stop_reason:
             self.save_checkpoint()
         return metrics
-
-
-def write_python_profile(prof: cProfile.Profile, out: Path, top: int = 40) -> None:
-    """cProfile's record of a step: `python_profile.pstats` (python -m pstats, snakeviz) and
-    `python_profile.txt`, the `top` functions by their own time and by their time in all."""
-    prof.dump_stats(str(out / "python_profile.pstats"))
-    text = io.StringIO()
-    for key in ("tottime", "cumulative"):
-        text.write(f"== by {key}\n")
-        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(top)
-    (out / "python_profile.txt").write_text(text.getvalue())
 
 
 __all__ = ["PPOTrainer"]

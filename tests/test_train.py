@@ -57,8 +57,17 @@ def test_three_steps_every_metric_finite(engine, processes, in_trainer, verl_dat
               f"data.tokenizer={tokenizer_dir}", f"model.path={model}", "trainer.sft_warmup_steps=0",
               "trainer.total_training_steps=3", "actor.use_kl_loss=true", f"rollout.engine={engine}",
               "rollout.enforce_eager=true", "data.max_prompt_length=48", f"rollout.engine_processes={processes}",
-              f"rollout.engine_in_trainer={str(in_trainer).lower()}")
+              f"rollout.engine_in_trainer={str(in_trainer).lower()}", "trainer.profile_steps=[2]",
+              "trainer.profile_tools=[python]", f"trainer.profile_dir={tmp_path / 'prof'}")
     metrics = read_metrics(run)
+    # step 2 profiled: the trainer's thread, and each helper's generation of that step in its own process
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["step_2"]
+    helpers = [j for j in range(processes) if j > 0 or not in_trainer] if engine == "vllm" else []
+    assert sorted(p.name for p in (tmp_path / "prof" / "step_2").iterdir() if p.is_dir()) == [
+        f"engine{j}_call0" for j in helpers]
+    for j in helpers:
+        text = (tmp_path / "prof" / "step_2" / f"engine{j}_call0" / "python_profile.txt").read_text()
+        assert "generate" in text and "vllm" in text, text[:400]
     assert sorted(metrics) == [0, 1, 2, 3]
     for step in (1, 2, 3):
         for key in REQUIRED:

@@ -22,6 +22,7 @@ class FakeHelper:
         self.log: list[str] = []
         self.loaded: list[float] = []  # the shared copy's first value at each load
         self.shared: dict[str, torch.Tensor] = {}
+        self.profiles: list = []  # each generation's (directory, tools) to profile it with
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -46,6 +47,7 @@ class FakeHelper:
                 self.loaded.append(float(self.shared["w"].flatten()[0]))
                 self.conn.send(("ok", None))
             elif op == "generate":
+                self.profiles.append(msg[3])
                 n = len(msg[1])
                 ro = Rollouts(np.ones((n, 2), np.int32), np.ones((n, 2), np.float32), np.zeros((n, 2), np.float32),
                               ["stop"] * n, np.arange(n, dtype=np.int32))
@@ -55,10 +57,9 @@ class FakeHelper:
 def processes(helpers: list[FakeHelper], conns) -> VLLMProcesses:
     """A `VLLMProcesses` of helpers only (`in_trainer=False`) whose pipes lead to `helpers`."""
     vp = object.__new__(VLLMProcesses)
-    vp.local, vp.start_s, vp.pad_token_id, vp.gpu = None, 0.0, 0, False
-    vp._shared, vp._dtype, vp._info, vp._ended = None, torch.float32, {}, set()
-    vp.last_call, vp._loading = {}, set()
-    vp._conns, vp._procs = list(conns), []
+    vp._protocol_state()
+    vp.local, vp.start_s, vp.pad_token_id, vp.gpu, vp._dtype, vp._info = None, 0.0, 0, False, torch.float32, {}
+    vp._conns = list(conns)
     return vp
 
 
@@ -105,3 +106,35 @@ def test_a_failed_load_is_raised_at_the_next_request_naming_the_push():
     with pytest.raises(RuntimeError, match=r"engine process 1, the weight push: ValueError: no parameter named 'w'"):
         vp.generate([[1]], Sampling(max_tokens=2, temperature=1.0, seed=0))
     assert 1 in vp._ended
+
+
+def test_a_profiled_steps_generations_are_profiled_by_each_helper_in_a_directory_of_their_own(tmp_path):
+    (c1, h1), (c2, h2) = pair(), pair()
+    vp = processes([h1, h2], [c1, c2])
+    sampling = Sampling(max_tokens=2, temperature=1.0, seed=0)
+    vp.generate([[1], [2]], sampling)
+    vp.profile_calls(tmp_path, ("torch", "python"))
+    vp.generate([[1], [2]], sampling)
+    vp.generate([[1], [2]], sampling)
+    vp.profile_calls(None)
+    vp.generate([[1], [2]], sampling)
+    for j, h in enumerate((h1, h2)):
+        assert h.profiles == [(None, ()), (str(tmp_path / f"engine{j}_call0"), ("torch", "python")),
+                              (str(tmp_path / f"engine{j}_call1"), ("torch", "python")), (None, ())]
+    vp.close()
+
+
+def test_profiled_call_writes_the_python_profile_of_what_it_encloses(tmp_path):
+    from jaxppo.profiling import profiled_call
+
+    def busy_function_to_find():
+        return sum(i * i for i in range(20000))
+
+    with profiled_call(tmp_path / "p", ("python",)):
+        busy_function_to_find()
+    assert "busy_function_to_find" in (tmp_path / "p" / "python_profile.txt").read_text()
+    with profiled_call(None, ("python",)):
+        busy_function_to_find()
+    with profiled_call(tmp_path / "q", ("jax",)):  # no tool of this process: nothing written
+        busy_function_to_find()
+    assert not (tmp_path / "q").exists()

@@ -41,6 +41,7 @@ from bridge.dlpack import to_torch
 from bridge.engines.vllm import VLLMEngine
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights
+from jaxppo.profiling import profiled_call
 from jaxppo.rollout import Rollouts, Sampling
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,9 @@ def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
                 out = None
             elif op == "generate":  # with its wall and CPU seconds (this process's, all its threads)
                 t0, c0 = time.perf_counter(), time.process_time()
-                out = engine.generate(msg[1], msg[2]), time.perf_counter() - t0, time.process_time() - c0
+                with profiled_call(*msg[3]):  # (None, ()) unless the trainer profiles this step
+                    ro = engine.generate(msg[1], msg[2])
+                out = ro, time.perf_counter() - t0, time.process_time() - c0
             elif op in ("sleep", "wake"):
                 getattr(engine, op)()
                 out = None
@@ -119,14 +122,10 @@ class VLLMProcesses:
         self.local = VLLMEngine(model_dir, **kwargs) if in_trainer else None
         self.start_s = self.local.start_s if self.local else 0.0
         self.pad_token_id = kwargs.get("pad_token_id", 0)
-        self._shared: dict[str, torch.Tensor] | None = None
         self._dtype = getattr(torch, kwargs.get("dtype", "bfloat16"))
         self._info: dict[str, Any] = {}  # the first helper's engine, as it reported itself at its start
-        self._ended: set[int] = set()  # helpers known to have ended (after an error, or a closed pipe)
-        self.last_call: dict[str, float] = {}  # the last generation's seconds per engine (`call_timings`)
-        self._loading: set[int] = set()  # helpers whose answer to the last push is still to be read (`_answer`)
+        self._protocol_state()
         ctx = tmp.get_context("spawn")  # a fresh interpreter: no CUDA or JAX state inherited
-        self._conns, self._procs = [], []
         try:
             for i in range(1, processes + (not in_trainer)):
                 parent, child = ctx.Pipe()
@@ -146,6 +145,16 @@ class VLLMProcesses:
         self.gpu = self.local.gpu if self.local else self._info["gpu"]
         log.info("vLLM: %d engines, each in its own process%s (%.1f s to start them)", processes,
                  "" if self.local else ", none in the trainer's", self.start_s)
+
+    def _protocol_state(self) -> None:
+        """What the exchanges with the helpers keep between calls (none started yet)."""
+        self._conns, self._procs = [], []
+        self._shared: dict[str, torch.Tensor] | None = None
+        self._ended: set[int] = set()  # helpers known to have ended (after an error, or a closed pipe)
+        self.last_call: dict[str, float] = {}  # the last generation's seconds per engine (`call_timings`)
+        self._loading: set[int] = set()  # helpers whose answer to the last push is still to be read (`_answer`)
+        self._profile: tuple[Path | None, tuple[str, ...]] = (None, ())  # `profile_calls`
+        self._profiled_calls = 0
 
     @property
     def processes(self) -> int:
@@ -240,9 +249,12 @@ class VLLMProcesses:
                   for c in np.array_split(np.arange(len(prompt_token_ids)), self.processes)]
         first = self.local is not None  # chunk j goes to helper j (+ 1 when chunk 0 is this process's)
         asked = [j for j in range(first, self.processes) if chunks[j]]  # fewer prompts than engines: some get none
+        prof_dir, tools = self._profile
+        n, self._profiled_calls = self._profiled_calls, self._profiled_calls + (prof_dir is not None)
         for j in asked:
             seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + j)
-            self._send(j + 1 - first, "generate", chunks[j], seeded)
+            where = None if prof_dir is None else str(prof_dir / f"engine{j}_call{n}")
+            self._send(j + 1 - first, "generate", chunks[j], seeded, (where, tools))
         t0, timings, parts = time.perf_counter(), {}, []
         if first and chunks[0]:
             parts.append(self.local.generate(chunks[0], sampling))
@@ -253,6 +265,13 @@ class VLLMProcesses:
             timings[f"timing_s/gen_engine{j}"], timings[f"perf/cpu_s/gen_engine{j}"] = wall, cpu
         self.last_call = timings
         return Rollouts.concat(parts, [len(c) for c in chunks if c], self.pad_token_id)
+
+    def profile_calls(self, out: Path | None, tools: tuple[str, ...] = ()) -> None:
+        """Until called with None: every helper profiles each generation it runs with `tools` (torch's profiler:
+        `torch_trace.json`, its kernels on a GPU; `python`: cProfile), written to `out / engine<j>_call<n>` (chunk
+        j's engine, the n-th call since). The trainer's profiled steps set it (`trainer.profile_steps`): the
+        trainer's own profilers see none of a helper's work. This process's engine is in the trainer's profile."""
+        self._profile, self._profiled_calls = (None if out is None else Path(out), tuple(tools)), 0
 
     def call_timings(self) -> dict[str, float]:
         """The last generation's seconds in each engine (chunk j's engine: `timing_s/gen_engine<j>`, wall from the
