@@ -5,7 +5,6 @@ signals, profiling, health decisions and early stopping. The step itself (rollou
 from __future__ import annotations
 
 import contextlib
-import cProfile
 import gc
 import logging
 import signal
@@ -39,7 +38,7 @@ from jaxppo.perf import device_peak_flops, flops_model, gc_clock
 from jaxppo.rollout import RolloutEngine
 from jaxppo.setup import (DTYPES, check_warm_model, engine_dtype, lock_run_dir, make_run_dir, prepare_model_dir,
                           truncate_metrics, write_atomic)
-from jaxppo.profiling import write_python_profile
+from jaxppo.profiling import profiled_call
 from jaxppo.step import PPOState, StepContext, Timer, single_update
 from jaxppo.warmstart import sft_warm_start
 
@@ -396,15 +395,9 @@ class PPOTrainer:
             return
         out = Path(t.profile_dir or self.run_dir / "profile") / f"step_{step}"
         out.mkdir(parents=True, exist_ok=True)
-        torch_prof = None
-        if "torch" in t.profile_tools and "torch" in sys.modules:
-            import torch
-
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            torch_prof = torch.profiler.profile(activities=acts)
-        py_prof = cProfile.Profile() if "python" in t.profile_tools else None
+        # torch's profiler only where torch is loaded; it and cProfile (innermost: the other profilers' own start and
+        # stop are not in it) as in the vLLM helpers' profiles
+        tools = tuple(x for x in t.profile_tools if x != "torch" or "torch" in sys.modules)
         helpers = getattr(self.ctx.engine, "profile_calls", None)  # vLLM helper processes profile their own calls
         if helpers is not None:
             helpers(out, tuple(t.profile_tools))
@@ -416,20 +409,12 @@ class PPOTrainer:
                     opts.python_tracer_level = 0  # Python call tracing floods the trace (and caps it), no phase in it
                     stack.enter_context(jax.profiler.trace(str(out), create_perfetto_trace=True,
                                                            profiler_options=opts))
-                if torch_prof is not None:
-                    stack.enter_context(torch_prof)
-                if py_prof is not None:  # innermost: the other profilers' own start and stop are not in it
-                    py_prof.enable()
-                    stack.callback(py_prof.disable)
+                stack.enter_context(profiled_call(out, tools))
                 yield
         finally:
             self._profiling = False
             if helpers is not None:
                 helpers(None, ())
-            if torch_prof is not None:
-                torch_prof.export_chrome_trace(str(out / "torch_trace.json"))
-            if py_prof is not None:
-                write_python_profile(py_prof, out)
             log.info("profile of step %d written to %s (tensorboard --logdir %s, or the *.trace.json.gz / "
                      "torch_trace.json in https://ui.perfetto.dev; scripts/trace_summary.py %s)", step, out, out, out)
 

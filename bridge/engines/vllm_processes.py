@@ -151,7 +151,7 @@ class VLLMProcesses:
         self._conns, self._procs = [], []
         self._shared: dict[str, torch.Tensor] | None = None
         self._ended: set[int] = set()  # helpers known to have ended (after an error, or a closed pipe)
-        self.last_call: dict[str, float] = {}  # the last generation's seconds per engine (`call_timings`)
+        self._last_call: dict[str, float] = {}  # the last generation's seconds per engine (`call_timings`)
         self._loading: set[int] = set()  # helpers whose answer to the last push is still to be read (`_answer`)
         self._profile: tuple[Path | None, tuple[str, ...]] = (None, ())  # `profile_calls`
         self._profiled_calls = 0
@@ -263,7 +263,7 @@ class VLLMProcesses:
             out, wall, cpu = self._answer(j + 1 - first, "generate")
             parts.append(out)
             timings[f"timing_s/gen_engine{j}"], timings[f"perf/cpu_s/gen_engine{j}"] = wall, cpu
-        self.last_call = timings
+        self._last_call = timings
         return Rollouts.concat(parts, [len(c) for c in chunks if c], self.pad_token_id)
 
     def profile_calls(self, out: Path | None, tools: tuple[str, ...] = ()) -> None:
@@ -276,7 +276,7 @@ class VLLMProcesses:
     def call_timings(self) -> dict[str, float]:
         """The last generation's seconds in each engine (chunk j's engine: `timing_s/gen_engine<j>`, wall from the
         call's start; a helper's own CPU seconds `perf/cpu_s/gen_engine<j>`): which engine the call waited for."""
-        return dict(self.last_call)
+        return dict(self._last_call)
 
     def sleep(self) -> None:
         self._all("sleep")
