@@ -60,15 +60,12 @@ REFUSED_ON_ONE_CARD = {"qwen2.5-7b", "qwen2.5-7b-one-card"}
 
 
 def vllm_configs() -> list[str]:
-    """The committed configs whose rollouts use vLLM (each must appear in CHECKS: a test keeps them equal)."""
-    import yaml
+    """The committed configs whose rollouts use vLLM (each must appear in CHECKS: a test keeps them equal), as
+    loaded (a config's engine may come from the files its `defaults:` list names)."""
+    from jaxppo.config import load_config
 
-    out = []
-    for path in sorted((ROOT / "configs").glob("*.yaml")):
-        cfg = yaml.safe_load(path.read_text()) or {}
-        if (cfg.get("rollout") or {}).get("engine") == "vllm":
-            out.append(f"configs/{path.name}")
-    return out
+    return [f"configs/{p.name}" for p in sorted((ROOT / "configs").glob("*.yaml"))
+            if load_config(p).rollout.engine == "vllm"]
 
 
 def run_one(name: str, config: str, shape: str, overrides: list[str], steps: int, timeout: float,

@@ -212,3 +212,66 @@ def test_a_text_key_takes_its_value_as_written(key, value, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(nested).replace("VALUE", value))
     assert value_in(load_config(path, rs)) == value
+
+
+def test_a_config_file_builds_on_the_files_its_defaults_list_names(tmp_path):
+    """`defaults: [...]` (Hydra's key): the named files' keys first, in order, then the file's own, then the command
+    line's; each name relative to the file that names it, `.yaml` optional, files named inside named files too."""
+    from jaxppo.config import load_config
+
+    (tmp_path / "base.yaml").write_text("data:\n  train_batch_size: 32\n  max_response_length: 24\n"
+                                        "actor:\n  ppo_mini_batch_size: 16\ncritic:\n  ppo_mini_batch_size: 16\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mid.yaml").write_text("defaults: [../base.yaml]\ndata:\n  max_response_length: 20\n"
+                                               "trainer:\n  experiment_name: mid\n")
+    (tmp_path / "other.yaml").write_text("trainer:\n  experiment_name: other\n  total_training_steps: 7\n")
+    top = tmp_path / "top.yaml"
+    top.write_text("defaults:\n  - sub/mid\n  - other.yaml\ndata:\n  train_batch_size: 48\n")
+    cfg = load_config(top, ["trainer.total_training_steps=9"])
+    assert cfg.data.train_batch_size == 48  # the file's own key over its defaults'
+    assert cfg.data.max_response_length == 20  # mid's over base's
+    assert cfg.actor.ppo_mini_batch_size == 16  # from base, two files down
+    assert cfg.trainer.experiment_name == "other"  # the later of two defaults wins
+    assert cfg.trainer.total_training_steps == 9  # the command line over every file
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"top.yaml": "defaults: [missing]\n"}, "top.yaml: `defaults` names 'missing', and there is no"),
+    ({"top.yaml": "defaults: [a]\n", "a.yaml": "defaults: [top.yaml]\n"},
+     "a.yaml: `defaults` names 'top.yaml', which includes a.yaml again: top.yaml -> a.yaml -> top.yaml"),
+    ({"top.yaml": "defaults: {a: 1}\n"}, "top.yaml: `defaults` must list config files"),
+    ({"top.yaml": "defaults: [a]\n", "a.yaml": "actor:\n  ppo_mini_batchsize: 4\n"},
+     "a.yaml: unknown config key 'actor.ppo_mini_batchsize'; did you mean actor.ppo_mini_batch_size"),
+    ({"top.yaml": "defaults: [a]\n", "a.yaml": "data:\n  train_batch_size: [1,\n"}, "a.yaml: not valid YAML"),
+    ({"top.yaml": "defaults: [a]\n", "a.yaml": "actor:\n  ppo_epochs: two\n"}, "a.yaml: config key 'actor.ppo_epochs'"),
+])
+def test_a_bad_defaults_list_exits_2_naming_the_file_and_the_entry(files, message, tmp_path, capsys):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    rc = main(["--config", str(tmp_path / "top.yaml"), f"trainer.default_local_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_committed_configs_built_on_others_differ_from_them_in_what_they_set_only():
+    """The 1.5B configs are the 0.5B ones with the 1.5B model (and their own run directory): every other key
+    resolves alike, and each file sets nothing its defaults already set to the same value."""
+    import dataclasses
+
+    import yaml
+
+    from jaxppo.config import load_config
+
+    built = [p for p in sorted((ROOT / "configs").glob("*.yaml")) if "defaults" in (yaml.safe_load(p.read_text()))]
+    assert {p.name for p in built} >= {"gsm8k_qwen2.5_1.5b.yaml", "gsm8k_grpo_qwen2.5_1.5b.yaml"}
+    for path in built:
+        own = yaml.safe_load(path.read_text())
+        names = own.pop("defaults")
+        base = dataclasses.asdict(load_config(path.parent / names[-1]))
+        cfg = dataclasses.asdict(load_config(path))
+        for section, keys in own.items():
+            for key, value in keys.items():
+                assert cfg[section][key] == value and base[section][key] != value, (path.name, section, key)
+                cfg[section].pop(key), base[section].pop(key)
+        assert cfg == base, path.name

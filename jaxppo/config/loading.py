@@ -1,5 +1,6 @@
-"""Loading a config: defaults <- YAML file <- dotted `key=value` overrides (OmegaConf structured configs), typed
-into the frozen dataclass tree of `jaxppo.config.schema`; and writing it back as YAML."""
+"""Loading a config: defaults <- YAML file (after the files its `defaults:` list names) <- dotted `key=value`
+overrides (OmegaConf structured configs), typed into the frozen dataclass tree of `jaxppo.config.schema`; and
+writing it back as YAML."""
 
 from __future__ import annotations
 
@@ -167,32 +168,64 @@ def _log_ignored(message: str) -> None:
     logging.getLogger("jaxppo.config").info(message)
 
 
+def _file_layers(p: Path, including: tuple[Path, ...]) -> list[tuple[str, Any]]:
+    """A YAML file's layers, each with the file it came from: those of the files its `defaults:` list names
+    (Hydra's key; each a path relative to the file, `.yaml` optional), in order, then the file's own keys, which
+    win. `including`: the files on the way here (a file that includes itself is refused)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    import yaml
+
+    where = str(p)
+    try:
+        loaded = OmegaConf.load(p)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(e)}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections (data:, model:, ...), "
+                          f"not a {type(loaded).__name__}")
+    names = loaded.pop("defaults", [])
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, (list, ListConfig)) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{where}: `defaults` must list config files (paths relative to this file), "
+                          f"got {OmegaConf.to_container(names) if isinstance(names, ListConfig) else names!r}")
+    layers = []
+    for name in names:
+        d = p.parent / name
+        if not d.is_file() and d.suffix != ".yaml":
+            d = d.with_name(d.name + ".yaml")
+        if not d.is_file():
+            raise ConfigError(f"{where}: `defaults` names {name!r}, and there is no {d}")
+        chain = including + (p.resolve(),)
+        if d.resolve() in chain:
+            raise ConfigError(f"{where}: `defaults` names {name!r}, which includes {p.name} again: "
+                              + " -> ".join(c.name for c in chain + (d.resolve(),)))
+        layers += _file_layers(d, chain)
+    _file_text_as_written(loaded, p)
+    return layers + [(where, loaded)]
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- dotted `key=value` overrides, type-checked; errors are `ConfigError`."""
+    """Defaults <- YAML file (after those its `defaults:` list names) <- dotted `key=value` overrides, type-checked;
+    errors are `ConfigError`, naming the file (or the overrides) the offending layer came from."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
     import yaml
-    from omegaconf import DictConfig
 
-    base = OmegaConf.structured(Config)
-    _writable(base)
-    where = "config"
+    merged = OmegaConf.structured(Config)
+    _writable(merged)
+    where = str(path) if path is not None else "config"
     try:
-        layers = [base]
+        layers = []
         if path is not None:
             p = Path(path)
-            where = str(p)
             if p.is_dir():
                 raise ConfigError(f"{p}: a directory, not a config file (--config takes a YAML file)")
             if not p.is_file():
                 raise ConfigError(f"{p}: config file not found")
-            loaded = OmegaConf.load(p)
-            if not isinstance(loaded, DictConfig):
-                raise ConfigError(f"{p}: the top level must be a mapping of sections (data:, model:, ...), "
-                                  f"not a {type(loaded).__name__}")
-            _file_text_as_written(loaded, p)
-            layers.append(loaded)
+            layers += _file_layers(p, ())
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value")
@@ -201,18 +234,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         overrides = translate(overrides, warn=_log_ignored)
         where = "the command line's overrides"
         if overrides:
-            layers.append(_override_layer(list(overrides)))
-        where = str(path) if path is not None else "the command line's overrides"
-        merged = OmegaConf.merge(*layers)
+            layers.append((where, _override_layer(list(overrides))))
+        for where, layer in layers:
+            merged = OmegaConf.merge(merged, layer)
     except yaml.YAMLError as e:  # syntax errors, and tags safe YAML refuses (!!python/object ...)
         raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(e)}") from None
     except (ConfigKeyError, AttributeError) as e:
         key = getattr(e, "full_key", None) or str(e)
-        raise ConfigError(f"unknown config key {key!r}{_suggest(str(key))}") from None
+        raise ConfigError(f"{where}: unknown config key {key!r}{_suggest(str(key))}") from None
     except ValidationError as e:
         if not e.full_key:  # a section given a value ("data: 3")
             raise ConfigError(f"{where}: {str(e).splitlines()[0].replace('Merge error: ', '')}") from None
-        raise ConfigError(f"config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
+        raise ConfigError(f"{where}: config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
     cfg = _implied(_to_dataclass(Config, _home_expanded(OmegaConf.to_container(merged, resolve=True))))
