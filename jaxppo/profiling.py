@@ -1,6 +1,7 @@
-"""Profiles written beside a step's (`trainer.profile_steps`): cProfile's text and stats, and the profile of one
-call in a vLLM helper process (bridge/engines/vllm_processes.py), whose kernels and Python the trainer's profilers
-do not see. scripts/trace_summary.py reads a step's directory with the helpers' traces in it."""
+"""Profiles of a training step (`trainer.profile_steps`): JAX's trace, torch's profiler and cProfile around the
+step, and the profile of one call in a vLLM helper process (bridge/engines/vllm_processes.py), whose kernels and
+Python the trainer's profilers do not see. scripts/trace_summary.py reads a step's directory with the helpers'
+traces in it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import contextlib
 import cProfile
 import io
 import pstats
+import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 
 def write_python_profile(prof: cProfile.Profile, out: Path, top: int = 40) -> None:
@@ -58,4 +60,31 @@ def profiled_call(out: str | Path | None, tools: Sequence[str]) -> Iterator[None
             write_python_profile(py_prof, out)
 
 
-__all__ = ["profiled_call", "write_python_profile"]
+@contextlib.contextmanager
+def profiled_step(out: Path, tools: Sequence[str], helpers: Callable[[Path | None, tuple[str, ...]], None] | None
+                  ) -> Iterator[None]:
+    """The enclosed step under the profilers `tools` names (trainer.profile_tools), written to `out`: JAX's trace
+    (TensorBoard / Perfetto), torch's (the rollout engine; on a GPU every kernel of the process) only where torch
+    is loaded, both with the same region names, and cProfile of this thread (innermost: the other profilers' own
+    start and stop are not in it), as in the helpers' profiles. `helpers` (`VLLMProcesses.profile_calls`, or None):
+    told to profile each generation of the step with the same tools (`engine<j>_call<n>/`), and to stop after."""
+    import jax
+
+    out.mkdir(parents=True, exist_ok=True)
+    local = tuple(x for x in tools if x != "torch" or "torch" in sys.modules)
+    if helpers is not None:
+        helpers(out, tuple(tools))
+    try:
+        with contextlib.ExitStack() as stack:
+            if "jax" in tools:
+                opts = jax.profiler.ProfileOptions()
+                opts.python_tracer_level = 0  # Python call tracing floods the trace (and caps it), no phase in it
+                stack.enter_context(jax.profiler.trace(str(out), create_perfetto_trace=True, profiler_options=opts))
+            stack.enter_context(profiled_call(out, local))
+            yield
+    finally:
+        if helpers is not None:
+            helpers(None, ())
+
+
+__all__ = ["profiled_call", "profiled_step", "write_python_profile"]

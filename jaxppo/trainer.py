@@ -8,7 +8,6 @@ import contextlib
 import gc
 import logging
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -38,7 +37,7 @@ from jaxppo.perf import device_peak_flops, flops_model, gc_clock
 from jaxppo.rollout import RolloutEngine
 from jaxppo.setup import (DTYPES, check_warm_model, engine_dtype, lock_run_dir, make_run_dir, prepare_model_dir,
                           truncate_metrics, write_atomic)
-from jaxppo.profiling import profiled_call
+from jaxppo.profiling import profiled_step
 from jaxppo.step import PPOState, StepContext, Timer, single_update
 from jaxppo.warmstart import sft_warm_start
 
@@ -394,27 +393,12 @@ class PPOTrainer:
             yield
             return
         out = Path(t.profile_dir or self.run_dir / "profile") / f"step_{step}"
-        out.mkdir(parents=True, exist_ok=True)
-        # torch's profiler only where torch is loaded; it and cProfile (innermost: the other profilers' own start and
-        # stop are not in it) as in the vLLM helpers' profiles
-        tools = tuple(x for x in t.profile_tools if x != "torch" or "torch" in sys.modules)
-        helpers = getattr(self.ctx.engine, "profile_calls", None)  # vLLM helper processes profile their own calls
-        if helpers is not None:
-            helpers(out, tuple(t.profile_tools))
         self._profiling = True
         try:
-            with contextlib.ExitStack() as stack:
-                if "jax" in t.profile_tools:
-                    opts = jax.profiler.ProfileOptions()
-                    opts.python_tracer_level = 0  # Python call tracing floods the trace (and caps it), no phase in it
-                    stack.enter_context(jax.profiler.trace(str(out), create_perfetto_trace=True,
-                                                           profiler_options=opts))
-                stack.enter_context(profiled_call(out, tools))
+            with profiled_step(out, t.profile_tools, getattr(self.ctx.engine, "profile_calls", None)):
                 yield
         finally:
             self._profiling = False
-            if helpers is not None:
-                helpers(None, ())
             log.info("profile of step %d written to %s (tensorboard --logdir %s, or the *.trace.json.gz / "
                      "torch_trace.json in https://ui.perfetto.dev; scripts/trace_summary.py %s)", step, out, out, out)
 
