@@ -51,7 +51,7 @@ def test_ppo_step_exits_1_when_a_quantity_exceeds_its_tolerance(monkeypatch, cap
            "relative_to": "||torch's update|| (L2)"}
     report = {"subcommand": "ppo-step", "rows": [row], "criterion": compare.CRITERIA["float64"],
               "failed": ["actor/param_update"]}
-    monkeypatch.setattr(compare, "ppo_step_report", lambda args, rest: report)
+    monkeypatch.setattr(compare.cli, "ppo_step_report", lambda args, rest: report)
     assert main(["ppo-step", "--model", "unused", "--dtype", "float64"]) == 1
     captured = capsys.readouterr()
     assert "FAIL" in captured.out and "over the tolerance" in captured.err and "actor/param_update" in captured.err
