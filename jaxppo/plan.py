@@ -217,7 +217,7 @@ def vllm_sizes(cfg: Any, model: Any) -> tuple[int, int]:
     return int(model.num_params() * s), int(kv_per_token * seq)
 
 
-def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, fixed: int, kv_seq: int,
+def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, weights: int, kv_seq: int,
             gen_seqs: int, shards: int) -> tuple[int | None, list[int | None]]:
     """(JAX's share when fixed: an explicit split, or no vLLM; the room beside the states that a packed phase's
     budget is searched in, in turn). With an automatic split: beside room for the KV cache of a whole generation
@@ -225,6 +225,7 @@ def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, fix
     there even at the smallest budget, beside vLLM running them in waves, half as many at once each time, down to
     one max-length sequence. ConfigError when the states alone do not fit."""
     r = cfg.rollout
+    fixed = vllm_fixed(weights, r.engine_processes, r.engine_in_trainer)
     resident = sum(states.values())
     vllm = r.engine == "vllm" and card is not None
     usable = None if card is None else int((1.0 - memory.MARGIN) * card)
@@ -251,7 +252,7 @@ def _limits(cfg: Any, card: int | None, states: dict[str, int], margin: int, fix
         raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(
             [f"the states alone take {resident / GiB:.1f} GiB per device (+ margin {margin / GiB:.1f}) of the "
              f"{largest / GiB:.1f} GiB JAX may use" + (" beside vLLM's minimum" if vllm else "")]
-            + _what_to_change(cfg, plan, shards)) + "\n" + plan.table())
+            + _what_to_change(cfg, plan, shards, weights)) + "\n" + plan.table())
     return jax_limit, [x for x in limits if x > 0]
 
 
@@ -413,8 +414,7 @@ def make_plan(cfg: Any, build: Any, card: int | None, prompt_lengths: tuple[int,
     resident = sum(states.values())
     gen_seqs = generation_sequences(cfg)
     weights, kv_seq = vllm_sizes(cfg, build.actor_cfg)
-    fixed = vllm_fixed(weights, cfg.rollout.engine_processes, cfg.rollout.engine_in_trainer)
-    jax_limit, limits = _limits(cfg, card, states, margin, fixed, kv_seq, gen_seqs, build.shards)
+    jax_limit, limits = _limits(cfg, card, states, margin, weights, kv_seq, gen_seqs, build.shards)
     P, R = d.max_prompt_length, d.max_response_length
     shortest, longest = prompt_lengths or (1, P)
     searches = _PhaseSearches(cfg, build, P, R, shortest, longest, ladder(P + R), limits, resident, margin)
@@ -568,7 +568,9 @@ def check(cfg: Any, plan: Plan) -> None:
         raise ConfigError("the run does not fit the card:\n  " + "\n  ".join(advice) + "\n" + plan.table())
 
 
-def _what_to_change(cfg: Any, plan: Plan, shards: int) -> list[str]:
+def _what_to_change(cfg: Any, plan: Plan, shards: int, weights: int | None = None) -> list[str]:
+    """The changes that would make `plan` fit, most direct first; `weights`: vLLM's weights in bytes, where the
+    plan has no vLLM share yet."""
     out = []
     p = plan.peak_phase if plan.phases else None
     if p is None:
@@ -579,6 +581,12 @@ def _what_to_change(cfg: Any, plan: Plan, shards: int) -> list[str]:
         sub = "critic" if p.name.startswith("critic") else "actor"
         out.append(f"lower {sub}'s micro-batch sizes, or pack sequences ({sub}.use_dynamic_bsz=true with token "
                    "budgets 0: the largest that fits)")
+    r = cfg.rollout
+    weights = plan.vllm.weights if plan.vllm is not None else weights
+    if r.engine == "vllm" and not r.engine_in_trainer and weights is not None:
+        spared = vllm_fixed(weights, r.engine_processes, False) - vllm_fixed(weights, r.engine_processes, True)
+        out.append(f"keep the first vLLM engine in the trainer's process (rollout.engine_in_trainer=true: "
+                   f"{spared / GiB:.1f} GiB less, its helper's weights, the shared copy and its context)")
     if cfg.rollout.engine == "vllm" and cfg.rollout.gpu_memory_utilization > 0:
         out.append(f"lower rollout.gpu_memory_utilization (now {cfg.rollout.gpu_memory_utilization}), or set it to 0 "
                    "(automatic: vLLM gets what JAX leaves)")

@@ -90,7 +90,7 @@ def test_a_batch_taken_through_the_ahead_path_trains_as_the_synchronous_step_whe
     assert runs[False][-1]["actor/kl_loss"] > 0  # the weights moved: the equality is over steps that train
 
 
-def test_async_rollout_implies_a_correction_and_refuses_what_it_cannot_run():
+def test_async_rollout_implies_a_correction_and_a_helper_engine_and_refuses_what_it_cannot_run():
     base = ROOT / "configs" / "default.yaml"
     rc = load_config(base, ["trainer.async_rollout=true"]).algorithm.rollout_correction
     assert rc.bypass_mode and rc.rollout_is is None  # PPO's loss: its ratio against the policy that sampled
@@ -105,6 +105,15 @@ def test_async_rollout_implies_a_correction_and_refuses_what_it_cannot_run():
     bypass = load_config(base, ["trainer.async_rollout=true", "algorithm.rollout_correction.bypass_mode=true",
                                 "algorithm.adv_estimator=grpo", "rollout.n=2"]).algorithm.rollout_correction
     assert bypass.bypass_mode and bypass.rollout_is is None
+    # with vLLM one step ahead, the engine goes to a helper process unless the user keeps it in the trainer's
+    in_trainer = {(tuple(o), load_config(base, ["rollout.engine=vllm", *o]).rollout.engine_in_trainer) for o in (
+        [], ["trainer.async_rollout=true"], ["trainer.async_rollout=true", "rollout.engine_in_trainer=true"],
+        ["trainer.rollout_during_critic_update=true"], ["rollout.engine_in_trainer=false"])}
+    assert in_trainer == {((), True), (("trainer.async_rollout=true",), False),
+                          (("trainer.async_rollout=true", "rollout.engine_in_trainer=true"), True),
+                          (("trainer.rollout_during_critic_update=true",), True),
+                          (("rollout.engine_in_trainer=false",), False)}
+    assert load_config(base, ["trainer.async_rollout=true"]).rollout.engine_in_trainer  # the transformers engine
     with pytest.raises(ConfigError, match="async_rollout.*filter_groups"):
         load_config(base, ["trainer.async_rollout=true", "algorithm.filter_groups.enable=true",
                            "algorithm.adv_estimator=grpo", "rollout.n=2"])

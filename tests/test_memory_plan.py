@@ -372,6 +372,26 @@ def test_engine_processes_are_counted_in_vllms_share(tmp_path, one_device, monke
                - both.bytes) < 2
 
 
+def test_a_helper_engine_that_does_not_fit_names_the_in_trainer_engine_as_the_change(tmp_path, one_device,
+                                                                                      monkeypatch):
+    """One step ahead with vLLM implies the engine in a helper process, which needs its own weights, the shared copy
+    and a CUDA context beside the trainer's share: on a card where only the engine in the trainer's process fits,
+    the refusal names rollout.engine_in_trainer=true and what it spares."""
+    from jaxppo import memory, plan as plan_mod
+    from jaxppo.errors import ConfigError
+    from jaxppo.plan import ENGINE_CONTEXT, VLLM_OVERHEAD
+
+    base = [*PACKED, "rollout.engine=vllm", "trainer.async_rollout=true", "algorithm.rollout_correction.rollout_is=token"]
+    weights, kv = 2 * 2**30, 2**20
+    monkeypatch.setattr(plan_mod, "vllm_sizes", lambda cfg, model: (weights, kv))
+    need = prepared(tmp_path, *base, "rollout.engine_in_trainer=true", "trainer.device_memory_gb=1000").plan.need
+    card = (need + weights + VLLM_OVERHEAD + kv + ENGINE_CONTEXT) / (1 - memory.MARGIN)  # less than a helper needs
+    kept = prepared(tmp_path, *base, "rollout.engine_in_trainer=true", f"trainer.device_memory_gb={card / 2**30}")
+    assert kept.plan.vllm.in_trainer and kept.plan.vllm.bytes >= kept.plan.vllm.minimum
+    with pytest.raises(ConfigError, match=r"rollout.engine_in_trainer=true: 2.5 GiB less"):
+        prepared(tmp_path, *base, f"trainer.device_memory_gb={card / 2**30}")
+
+
 def test_engine_processes_need_vllm(tmp_path):
     from jaxppo.errors import ConfigError
 

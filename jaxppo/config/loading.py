@@ -273,13 +273,23 @@ def _home_expanded(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def _implied(cfg: Config) -> Config:
-    """Settings one key implies when the user set none of their own: rollouts one step ahead
-    (`trainer.async_rollout`) are one step off-policy, so without a correction of the user's they take the policy
-    that sampled as the old policy (verl's bypass mode, `algorithm.rollout_correction.bypass_mode`: the PPO ratio and
+    """Settings one key implies when the user set none of their own. Rollouts one step ahead
+    (`trainer.async_rollout`) with vLLM run the engine in a helper process (`rollout.engine_in_trainer` null: false
+    there, true elsewhere): in the trainer's process the generation in the background makes almost no progress
+    while JAX trains (0.5B on one H200: 3.68 s a step against 3.61 s synchronous, 2026-12-02; with the helper
+    2.76 s against 3.68 s synchronous in one call; docs/benchmarks.md). They are also one step off-policy, so
+    without a correction of the user's they take the policy that sampled as the old policy (verl's bypass mode, `algorithm.rollout_correction.bypass_mode`: the PPO ratio and
     its clip against the rollout's log-probs, and no recomputation of them), or where the policy loss is not PPO's
     own (bypass mode replaces it) verl's token-level truncated importance weights (`rollout_is=token`, threshold 2.0).
     Bypass mode learned closer to the synchronous step on the embedded default, seeds 0-2
     (docs/benchmarks/learning/cpu_async_vs_sync_2026-12-02)."""
+    r = cfg.rollout
+    if r.engine_in_trainer is None:
+        helper = cfg.trainer.async_rollout and r.engine == "vllm"
+        if helper:
+            logging.getLogger("jaxppo").info("trainer.async_rollout: the vLLM engine runs in a helper process "
+                                             "(rollout.engine_in_trainer=false; set it true to keep it in this one)")
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, engine_in_trainer=not helper))
     a = cfg.algorithm
     rc = a.rollout_correction
     if cfg.trainer.async_rollout and rc.rollout_is is None and rc.rollout_rs is None and not rc.bypass_mode \

@@ -183,8 +183,10 @@ class RolloutConfig:
     engine_processes: int = 1
     # false: none of those engines in the trainer's process, every one in a helper process of its own (its weights
     # loaded from the shared copy): vLLM's host work then never shares the trainer's interpreter (rollouts one step
-    # ahead generate while JAX trains); true: the first engine is the trainer's, its weights DLPack views
-    engine_in_trainer: bool = True
+    # ahead generate while JAX trains); true: the first engine is the trainer's, its weights DLPack views;
+    # null: false for vLLM one step ahead (trainer.async_rollout: in the trainer's process its generation makes
+    # almost no progress while JAX trains, docs/benchmarks.md), else true (jaxppo/config/loading.py)
+    engine_in_trainer: Optional[bool] = None
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
     # the engine's log-prob of every sampled token on every step (verl's key; actor.tis_threshold turns it on).
     # Off: on every 8th step only, for the rollout/* mismatch metrics and the health rule (jaxppo/step.py)

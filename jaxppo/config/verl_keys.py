@@ -110,7 +110,8 @@ TABLE: list[tuple[str, str, str]] = [
     (R + "tensor_model_parallel_size", IGNORED,
      "vLLM runs in the trainer's process on its device(s); a tensor-parallel rollout is not offered yet"),
     (R + "mode", IGNORED,
-     "vLLM in the trainer's process (sync); `rollout.engine_in_trainer=false` puts it in a process of its own"),
+     "vLLM in the trainer's process (sync); `rollout.engine_in_trainer=false` puts it in a process of its own "
+     "(the default one step ahead, trainer.async_rollout)"),
     (R + "load_format", IGNORED, "weights pushed from JAX without a copy"),
     (R + "val_kwargs.n", "rollout.val_kwargs.n", ""),
     (R + "val_kwargs.do_sample", "rollout.val_kwargs.do_sample", ""),
