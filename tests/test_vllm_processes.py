@@ -138,3 +138,64 @@ def test_profiled_call_writes_the_python_profile_of_what_it_encloses(tmp_path):
     with profiled_call(tmp_path / "q", ("jax",)):  # no tool of this process: nothing written
         busy_function_to_find()
     assert not (tmp_path / "q").exists()
+
+
+
+def _middle(helper_end, ready) -> None:
+    """A trainer's stand-in: starts a helper's stand-in on the given pipe end, reports its pid, waits to be killed."""
+    import time
+
+    proc = multiprocessing.get_context("spawn").Process(target=_helper_stand_in, args=(helper_end,), daemon=False)
+    proc.start()
+    helper_end.close()
+    ready.send(proc.pid)
+    time.sleep(600)
+
+
+def _helper_stand_in(conn) -> None:
+    """Takes the helpers' signals, then answers each message with its signals' dispositions until the pipe closes."""
+    import signal
+
+    from bridge.engines.vllm_processes import _helper_signals
+
+    _helper_signals()
+    while True:
+        conn.recv()
+        conn.send([signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)])
+
+
+def test_a_helper_outlives_the_signals_that_stop_the_trainer_and_not_the_trainer():
+    """A Ctrl-C or a scheduler's SIGTERM reaches the helpers too (one process group): they ignore both, since the
+    trainer still needs them to finish the batch in flight before its checkpoint; when the trainer itself ends
+    (SIGKILL here: nothing of it runs after) the helper is killed with it (PR_SET_PDEATHSIG), never left holding
+    its share of the card."""
+    import os
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    ours, helper_end = ctx.Pipe()
+    ready, ready_end = ctx.Pipe()
+    middle = ctx.Process(target=_middle, args=(helper_end, ready_end), daemon=False)
+    middle.start()
+    helper_end.close()
+    try:
+        assert ready.poll(120), "the stand-ins did not start"
+        helper = ready.recv()
+        ours.send("dispositions")
+        assert ours.recv() == [True, True]
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(helper, sig)
+        ours.send("still there?")  # a signal that ended it would end it before it could answer
+        assert ours.recv() == [True, True]
+        os.kill(middle.pid, signal.SIGKILL)
+        middle.join(30)
+        assert ours.poll(30), "the helper outlived its trainer"
+        with pytest.raises(EOFError):  # its end of the pipe closed: it ended
+            ours.recv()
+    finally:
+        if middle.is_alive():
+            middle.kill()
+        try:
+            os.kill(helper, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass

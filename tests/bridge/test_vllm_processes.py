@@ -64,6 +64,20 @@ def test_sleep_and_wake_reach_every_engine(setup):
     checks.check_logprobs_match_trainer(engine, module, params, cfg.vocab_size)
 
 
+def test_a_helper_engine_goes_on_through_the_signals_that_stop_the_trainer(setup):
+    """SIGINT and SIGTERM sent to the helper process (a Ctrl-C or a scheduler's SIGTERM reaches its whole process
+    group) leave its vLLM engine serving: the trainer still needs the batch in flight for its checkpoint. Ignored
+    after vLLM's start as well (bridge/engines/vllm_processes.py `_helper_signals`)."""
+    import os
+    import signal
+
+    engine, module, params, cfg = setup
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(engine._procs[0].pid, sig)
+    checks.check_logprobs_match_trainer(engine, module, params, cfg.vocab_size)  # the helper's half included
+    assert engine._procs[0].is_alive()
+
+
 @pytest.fixture(scope="module")
 def alone(tiny_qwen):
     """rollout.engine_in_trainer=false: the one engine in a helper process, none in this one."""
