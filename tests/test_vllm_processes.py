@@ -156,9 +156,9 @@ def _helper_stand_in(conn) -> None:
     """Takes the helpers' signals, then answers each message with its signals' dispositions until the pipe closes."""
     import signal
 
-    from bridge.engines.vllm_processes import _helper_signals
+    from jaxppo.helper_signals import helper_signals
 
-    _helper_signals()
+    helper_signals()
     while True:
         conn.recv()
         conn.send([signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)])

@@ -39,6 +39,7 @@ import torch.multiprocessing as tmp
 
 from bridge.dlpack import to_torch
 from bridge.engines.vllm import VLLMEngine
+from jaxppo.helper_signals import helper_signals
 from jaxppo.models.hf_io import HFWeights
 from jaxppo.models.lora import LoRAWeights
 from jaxppo.profiling import profiled_call
@@ -63,29 +64,12 @@ def _jax_on_cpu():
             os.environ["JAX_PLATFORMS"] = before
 
 
-def _helper_signals() -> None:
-    """A helper's signals: SIGINT and SIGTERM ignored, since the trainer decides when its helpers end (a Ctrl-C or a
-    scheduler's SIGTERM reaches the whole process group, and the trainer then finishes its step, waits for the
-    batch in flight and checkpoints it: a helper ended by the same signal would lose that batch and the checkpoint
-    with it); SIGKILL when the trainer ends, however it ends (PR_SET_PDEATHSIG)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
     """A helper process: build the engine, then answer requests until "stop" (or the trainer's end)."""
-    _helper_signals()
+    helper_signals()
     try:
         engine = VLLMEngine(model_dir, **kwargs)  # the shared copy (a list, HF names) goes to vLLM's load_weights
-        _helper_signals()  # again, after whatever vLLM's start installed
+        helper_signals()  # again, after whatever vLLM's start installed
         conn.send(("ready", {"start_s": engine.start_s, "gpu": engine.gpu, "host_options": engine.host_options(),
                              "cudagraph_mode": engine.cudagraph_mode(),
                              "scheduler_limits": engine.scheduler_limits()}))

@@ -25,13 +25,13 @@ CHUNK = 16  # samples sent to a worker at a time (it reports each one)
 
 
 def _serve(conn: mpc.Connection) -> None:
-    """A worker's loop: [(index, item), ...] in, (index, result) out per sample; None ends it. Ctrl-C reaches the
-    whole process group: the trainer decides how to stop, the worker finishes what it was given."""
-    import signal
-
+    """A worker's loop: [(index, item), ...] in, (index, result) out per sample; None ends it. Ctrl-C or a
+    scheduler's SIGTERM reaches the whole process group: the trainer decides how to stop, the worker finishes what
+    it was given (jaxppo/helper_signals.py), and it is killed when the trainer ends."""
+    from jaxppo.helper_signals import helper_signals
     from jaxppo.rewards.registry import _score_one
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    helper_signals()
     while True:
         try:
             job = conn.recv()

@@ -67,7 +67,7 @@ def test_sleep_and_wake_reach_every_engine(setup):
 def test_a_helper_engine_goes_on_through_the_signals_that_stop_the_trainer(setup):
     """SIGINT and SIGTERM sent to the helper process (a Ctrl-C or a scheduler's SIGTERM reaches its whole process
     group) leave its vLLM engine serving: the trainer still needs the batch in flight for its checkpoint. Ignored
-    after vLLM's start as well (bridge/engines/vllm_processes.py `_helper_signals`)."""
+    after vLLM's start as well (jaxppo/helper_signals.py)."""
     import os
     import signal
 

@@ -60,3 +60,25 @@ def test_reward_extras_and_errors_agree_in_and_out_of_process(workers):
                       num_workers=workers)
     assert res.num_errors == 9 and res.scores.tolist() == [float(i % 5 == i) if i % 4 == 0 else 0.0
                                                            for i in range(12)]
+
+
+def test_workers_score_on_through_the_signals_that_stop_the_trainer():
+    """SIGINT and SIGTERM sent to every worker (a Ctrl-C or a scheduler's SIGTERM reaches the whole process group):
+    none ends, none is replaced, and the next batch is scored by the same processes (jaxppo/helper_signals.py)."""
+    import os
+    import signal
+
+    from jaxppo.rewards.registry import get_reward_fn
+
+    workers = RewardWorkers(2)
+    try:
+        items = [(get_reward_fn("openai/gsm8k"), "openai/gsm8k", "#### 3", "3", {}, 10.0)] * 4
+        assert [r[0] for r in workers.map(items, 10.0)] == [1.0] * 4
+        pids = [w.proc.pid for w in workers._workers]
+        for pid in pids:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                os.kill(pid, sig)
+        assert [r[0] for r in workers.map(items, 10.0)] == [1.0] * 4  # each answers after both signals
+        assert workers.replaced == 0 and [w.proc.pid for w in workers._workers] == pids
+    finally:
+        workers.close()
