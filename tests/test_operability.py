@@ -14,8 +14,8 @@ from jaxppo import step as ppo_step
 from jaxppo.config import load_config
 from jaxppo.trainer import PPOTrainer
 from jaxppo.train import make_engine_factory
-from tests.train_helpers import (FAST, ROOT, assert_resumed_at_checkpoint, logged_step, read_metrics, run_train,
-                                 start_train, wait_until)
+from tests.train_helpers import (FAST, ROOT, assert_resumed_as_straight, assert_resumed_at_checkpoint, logged_step,
+                                 read_metrics, run_train, start_train, stop_checkpoint, wait_until)
 
 # the FAST default on the 8 host devices of the test process (data=8: one sequence per device per micro-batch)
 MESH8 = ["mesh.data=-1", "actor.ppo_micro_batch_size_per_device=1", "critic.ppo_micro_batch_size_per_device=1",
@@ -248,19 +248,9 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues_exactly(tmp_path, mode
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert "SIGTERM" in out and "resume" in out
-    ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
-    assert len(ckpts) == 1 and 2 <= ckpts[0] < 5, ckpts
+    ckpt = stop_checkpoint(run, 5)
     res = run_train(run, *common)
-    assert assert_resumed_at_checkpoint(run, res.stderr + res.stdout) == ckpts[0]
-    assert ("the next step's batch as it was in flight" in res.stderr + res.stdout) == ahead
-    a, b = read_metrics(straight), read_metrics(run)
-    assert sorted(b) == [0, 1, 2, 3, 4, 5]
-    for step in range(ckpts[0] + 1, 6):
-        ra = {k: v for k, v in a[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
-        rb = {k: v for k, v in b[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
+    assert_resumed_as_straight(straight, run, res.stderr + res.stdout, ckpt, 5, in_flight=ahead)
 
 
 @pytest.mark.slow

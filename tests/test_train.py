@@ -189,7 +189,7 @@ def test_sigterm_to_the_process_group_one_step_ahead_with_a_helper_engine_resume
     import subprocess
     import sys
 
-    from tests.train_helpers import ROOT, logged_step, train_env
+    from tests.train_helpers import ROOT, assert_resumed_as_straight, logged_step, stop_checkpoint, train_env
 
     pytest.importorskip("vllm")
     d, model = verl_data
@@ -213,16 +213,6 @@ def test_sigterm_to_the_process_group_one_step_ahead_with_a_helper_engine_resume
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert "SIGTERM" in out and "helper process" in out
-    ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
-    assert len(ckpts) == 1 and 2 <= ckpts[0] < 5, ckpts
+    ckpt = stop_checkpoint(run, 5)
     res = run_train(run, *common, timeout=900)
-    assert assert_resumed_at_checkpoint(run, res.stderr + res.stdout) == ckpts[0]
-    assert "the next step's batch as it was in flight" in res.stderr + res.stdout
-    a, b = read_metrics(straight), read_metrics(run)
-    assert sorted(b) == [0, 1, 2, 3, 4, 5]
-    for step in range(ckpts[0] + 1, 6):
-        ra = {k: v for k, v in a[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
-        rb = {k: v for k, v in b[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
+    assert_resumed_as_straight(straight, run, res.stderr + res.stdout, ckpt, 5, in_flight=True)

@@ -260,6 +260,31 @@ def all_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def stop_checkpoint(run: Path, steps: int) -> int:
+    """The one checkpoint a run stopped by a signal wrote (after step 2 and before its last step `steps`)."""
+    ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(ckpts) == 1 and 2 <= ckpts[0] < steps, ckpts
+    return ckpts[0]
+
+
+def assert_resumed_as_straight(straight: Path, run: Path, output: str, ckpt: int, steps: int, in_flight: bool) -> None:
+    """A run stopped at checkpoint `ckpt` and resumed by the same command (`output`: the resumed process's): it
+    resumed there, with the batch that was in flight when `in_flight`, and every step after it logged what the
+    `straight` run, never stopped, logged (timings aside)."""
+    import pytest
+
+    assert assert_resumed_at_checkpoint(run, output) == ckpt
+    assert ("the next step's batch as it was in flight" in output) == in_flight
+    a, b = read_metrics(straight), read_metrics(run)
+    assert sorted(b) == list(range(steps + 1))
+    for step in range(ckpt + 1, steps + 1):
+        ra = {k: v for k, v in a[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
+        rb = {k: v for k, v in b[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
+
+
 def assert_resumed_at_checkpoint(run_dir: Path, output: str) -> int:
     """The second process of a run resumed from its checkpoint: it says so, and no step up to the checkpoint was
     logged twice (a run that silently started over would repeat steps 1..N). Returns the step resumed from."""
