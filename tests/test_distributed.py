@@ -10,7 +10,8 @@ import time
 import pytest
 
 from jaxppo.distributed import topology_from_env
-from tests.train_helpers import FAST, ROOT, logged_step, read_metrics, run_python, train_env, wait_until
+from tests.train_helpers import (FAST, ROOT, comparable, logged_step, read_metrics, run_python, train_env,
+                                 wait_until)
 
 # greedy rollouts (the transformers engine samples with one torch RNG per process, so sampled rollouts
 # differ with the process count), no shuffling: the same sequences in the same mini-batches either way
@@ -22,10 +23,6 @@ def _env(devices: int) -> dict:
     # the suite's other worker keeps both cores busy: a process's heartbeat can wait longer than JAX's 100 s (a
     # fresh-clone CI run at a0aed1f lost the packed two-process run to it, both tasks declared dead at 100 s)
     return train_env(devices, JAX_PLATFORMS="cpu", JAXPPO_HEARTBEAT_TIMEOUT_S="900")
-
-
-def _comparable(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if not k.startswith(("timing_s/", "perf/", "time"))}
 
 
 # the adaptive KL controller in the reward: its horizon counts the step's samples over all processes (it once
@@ -69,7 +66,7 @@ def test_two_processes_match_one(layout, one_process_run, tmp_path):
     assert b[1]["actor/kl_coef"] == pytest.approx(0.1 * (1 - 0.2 * 16 / 10), rel=1e-6)
     assert b[2]["actor/kl_coef"] != b[1]["actor/kl_coef"]  # the controller moves
     for step in (0, 1, 2):
-        ra, rb = _comparable(a[step]), _comparable(b[step])
+        ra, rb = comparable(a[step]), comparable(b[step])
         assert ra.keys() == rb.keys(), step
         for k in ra:
             assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-5), (step, k)

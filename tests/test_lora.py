@@ -213,7 +213,7 @@ def lora_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_lora_default_learns_and_resumes_exactly_after_a_kill(lora_run):
-    from tests.train_helpers import all_records, assert_resumed_at_checkpoint
+    from tests.train_helpers import all_records, assert_resumed_at_checkpoint, comparable
 
     run, output, killed = lora_run
     resumed = assert_resumed_at_checkpoint(run, output)
@@ -224,8 +224,7 @@ def test_lora_default_learns_and_resumes_exactly_after_a_kill(lora_run):
     replayed = [r for r in killed if r["step"] > resumed]
     assert replayed, "the killed process logged no step after its checkpoint"
     for old in replayed:  # the resumed process repeats those steps exactly
-        first, second = ({k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/", "time"))}
-                         for r in (old, by_step[old["step"]]))
+        first, second = comparable(old), comparable(by_step[old["step"]])
         assert first.keys() == second.keys()
         for k in first:
             assert first[k] == pytest.approx(second[k], rel=1e-5, abs=1e-6), (old["step"], k)

@@ -381,7 +381,8 @@ def test_a_helper_engine_that_does_not_fit_names_the_in_trainer_engine_as_the_ch
     from jaxppo.errors import ConfigError
     from jaxppo.plan import ENGINE_CONTEXT, VLLM_OVERHEAD
 
-    base = [*PACKED, "rollout.engine=vllm", "trainer.async_rollout=true", "algorithm.rollout_correction.rollout_is=token"]
+    base = [*PACKED, "rollout.engine=vllm", "trainer.async_rollout=true",
+            "algorithm.rollout_correction.rollout_is=token"]
     weights, kv = 2 * 2**30, 2**20
     monkeypatch.setattr(plan_mod, "vllm_sizes", lambda cfg, model: (weights, kv))
     need = prepared(tmp_path, *base, "rollout.engine_in_trainer=true", "trainer.device_memory_gb=1000").plan.need

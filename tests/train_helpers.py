@@ -260,6 +260,11 @@ def all_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def comparable(rec: dict) -> dict:
+    """A step's metrics that two runs of the same computation agree on (timings and throughput aside)."""
+    return {k: v for k, v in rec.items() if not k.startswith(("timing_s/", "perf/", "time"))}
+
+
 def stop_checkpoint(run: Path, steps: int) -> int:
     """The one checkpoint a run stopped by a signal wrote (after step 2 and before its last step `steps`)."""
     ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
@@ -278,8 +283,7 @@ def assert_resumed_as_straight(straight: Path, run: Path, output: str, ckpt: int
     a, b = read_metrics(straight), read_metrics(run)
     assert sorted(b) == list(range(steps + 1))
     for step in range(ckpt + 1, steps + 1):
-        ra = {k: v for k, v in a[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
-        rb = {k: v for k, v in b[step].items() if not k.startswith(("timing_s/", "perf/", "time"))}
+        ra, rb = comparable(a[step]), comparable(b[step])
         assert ra.keys() == rb.keys()
         for k in ra:
             assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)

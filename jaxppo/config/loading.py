@@ -278,9 +278,10 @@ def _implied(cfg: Config) -> Config:
     there, true elsewhere): in the trainer's process the generation in the background makes almost no progress
     while JAX trains (0.5B on one H200: 3.68 s a step against 3.61 s synchronous, 2026-12-02; with the helper
     2.76 s against 3.68 s synchronous in one call; docs/benchmarks.md). They are also one step off-policy, so
-    without a correction of the user's they take the policy that sampled as the old policy (verl's bypass mode, `algorithm.rollout_correction.bypass_mode`: the PPO ratio and
-    its clip against the rollout's log-probs, and no recomputation of them), or where the policy loss is not PPO's
-    own (bypass mode replaces it) verl's token-level truncated importance weights (`rollout_is=token`, threshold 2.0).
+    without a correction of the user's they take the policy that sampled as the old policy (verl's bypass mode,
+    `algorithm.rollout_correction.bypass_mode`: the PPO ratio and its clip against the rollout's log-probs, and no
+    recomputation of them), or where the policy loss is not PPO's own (bypass mode replaces it) verl's token-level
+    truncated importance weights (`rollout_is=token`, threshold 2.0).
     Bypass mode learned closer to the synchronous step on the embedded default, seeds 0-2
     (docs/benchmarks/learning/cpu_async_vs_sync_2026-12-02)."""
     r = cfg.rollout
