@@ -112,9 +112,8 @@ sampling05_n5|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 
 EOF
   # one job per config check (scripts/check_configs.py's names): check_<name> (3 steps, the `config_check` row), and
   # check10_<name> (10 steps: the `config_check` row and the run's own `ppo_step` row from one start)
-  for c in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-0.5b-ahead qwen2.5-1.5b-ahead qwen2.5-7b-lora qwen2.5-7b qwen2.5-7b-one-card grpo-qwen2.5-7b qwen2.5-7b-offload grpo-qwen2.5-0.5b \
-           grpo-qwen2.5-1.5b dapo-qwen2.5-0.5b drgrpo-qwen2.5-0.5b gspo-qwen2.5-0.5b qwen3-0.6b qwen3-1.7b qwen3-4b \
-           qwen3-8b-lora; do
+  # (scripts/check_configs.py's list, so that a check added there is a job here)
+  for c in $($PY scripts/check_configs.py --list | cut -d' ' -f1); do
     echo "check_$c|$PY scripts/check_configs.py --only $c --steps 3 --timeout 900 --ledger $Q/results.jsonl --workdir $Q/cc"
     echo "check10_$c|$PY scripts/check_configs.py --only $c --steps 10 --step-rows --timeout 1500 --ledger $Q/results.jsonl --workdir $Q/cc"
   done
