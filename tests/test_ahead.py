@@ -11,25 +11,29 @@ from jaxppo.errors import ConfigError
 from tests.train_helpers import FAST, ROOT
 
 
-def norm_sum(named) -> float:
-    """A fingerprint of a set of weights: the sum of the final norm's weight (HF name model.norm.weight)."""
-    return float(np.sum(np.asarray(dict(named)["model.norm.weight"], np.float64)))
+def fingerprint(named, name: str = "model.norm.weight") -> float:
+    """A fingerprint of a set of weights: the sum of one of them (HF names)."""
+    return float(np.sum(np.asarray(dict(named)[name], np.float64)))
 
 
-def test_each_batch_is_generated_with_the_weights_of_the_step_before(tmp_path, one_device, monkeypatch):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_each_batch_is_generated_with_the_weights_of_the_step_before(tmp_path, one_device, monkeypatch, lora):
     """Every generation records the engine's weights; the trainer's weights are recorded before each step. One step
     ahead, step 1's batch and step 2's are sampled by the initial weights, step k's (k >= 2) by the weights step k-1
-    trained with, and the importance weights of step 1 are 1 up to the engines' float32 difference (nothing is off-policy yet)."""
+    trained with, and the importance weights of step 1 are 1 up to the engines' float32 difference (nothing is off-policy yet).
+    Under LoRA the engine's weights are the merged ones, W + (alpha / r) B A, of the step before (a projection's,
+    the norm being frozen)."""
     from bridge.engines.hf import HFEngine
-    from jaxppo.models.hf_io import HFWeights
+    from jaxppo.models.lora import LoRAWeights
     from jaxppo.train import make_engine_factory
     from jaxppo.trainer import PPOTrainer
 
     seen = []
     plain = HFEngine.generate
+    name = "model.layers.0.self_attn.q_proj.weight" if lora else "model.norm.weight"
 
     def generate(self, prompts, sampling):
-        seen.append(norm_sum((n, p.detach().numpy()) for n, p in self.model.named_parameters()))
+        seen.append(fingerprint(((n, p.detach().numpy()) for n, p in self.model.named_parameters()), name))
         return plain(self, prompts, sampling)
 
     monkeypatch.setattr(HFEngine, "generate", generate)
@@ -37,11 +41,14 @@ def test_each_batch_is_generated_with_the_weights_of_the_step_before(tmp_path, o
         f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "trainer.sft_warmup_steps=0", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.total_training_steps=4", "trainer.async_rollout=true",
         "algorithm.rollout_correction.rollout_is=token",  # its importance weights tell on-policy steps apart
-        "actor.optim.lr=1e-2", "actor.optim.weight_decay=0.5"])  # weights that move: each step's are told apart
+        "actor.optim.lr=1e-2", "actor.optim.weight_decay=0.5",  # weights that move: each step's are told apart
+        *(["actor.lora_rank=4", "actor.lora_alpha=8"] if lora else [])])
     with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
         before, metrics = [], []
         for _ in range(4):
-            before.append(norm_sum(HFWeights(trainer.state.actor.params, np.float32)))
+            weights = trainer.ctx.rollout_weights(trainer.state.actor.params)
+            assert isinstance(weights, LoRAWeights) == lora
+            before.append(fingerprint(weights, name))
             metrics.append(trainer.train_step())
         assert not trainer.ahead.in_flight  # nothing is launched past the last step
     assert len(set(np.round(before, 6))) == 4  # four different weights
@@ -156,7 +163,7 @@ def test_during_the_critic_update_the_run_is_the_synchronous_run_with_the_next_g
     plain_generate, plain_update = HFEngine.generate, ppo_step._update
 
     def generate(self, prompts, sampling):
-        seen.append(norm_sum((n, p.detach().numpy()) for n, p in self.model.named_parameters()))
+        seen.append(fingerprint((n, p.detach().numpy()) for n, p in self.model.named_parameters()))
         n = started("gen")
         if n >= 2 and not until("critic", n - 1):  # generation n runs during step n-1's critic update
             late.append(f"generation {n} ended before the critic's update of step {n - 1} started")
@@ -183,7 +190,7 @@ def test_during_the_critic_update_the_run_is_the_synchronous_run_with_the_next_g
                 runs[overlap] = []
                 for _ in range(steps):
                     if overlap:
-                        before.append(norm_sum(HFWeights(trainer.state.actor.params, np.float32)))
+                        before.append(fingerprint(HFWeights(trainer.state.actor.params, np.float32)))
                     runs[overlap].append(trainer.train_step())
                 assert not trainer.ahead.in_flight if overlap else trainer.ahead is None
     assert not late, late
