@@ -2,14 +2,15 @@
 # rollouts one step ahead (trainer.async_rollout=true); the two runs of a seed at once. Prints each run's validation
 # at steps 0 / 40 / 80 and its training score over steps 1-10 / 71-80, one JSON line per run.
 # Usage: SEEDS="0 1 2" bash docs/benchmarks/learning/cpu_async_vs_sync_2026-12-02/run.sh OUT_DIR
-# (seed S sets trainer.seed=S data.seed=S, as docs/benchmarks/learning/cpu_default_2026-12-02 did; SEEDS default "0")
+# (seed S sets trainer.seed=S data.seed=S, as docs/benchmarks/learning/cpu_default_2026-12-02 did; SEEDS default "0";
+# EXTRA: further overrides for both runs, e.g. EXTRA="actor.optim.lr=2e-4")
 set -eu
 out=${1:?output directory}
 mkdir -p "$out"
 for seed in ${SEEDS:-0}; do
   for mode in false true; do
     python -m jaxppo.train trainer.async_rollout=$mode trainer.seed=$seed data.seed=$seed trainer.test_freq=40 \
-      trainer.save_freq=-1 "trainer.logger=[jsonl]" trainer.default_local_dir="$out/seed${seed}_async_$mode" \
+      trainer.save_freq=-1 "trainer.logger=[jsonl]" trainer.default_local_dir="$out/seed${seed}_async_$mode" ${EXTRA:-} \
       > "$out/seed${seed}_async_$mode.log" 2>&1 &
   done
   wait
