@@ -12,8 +12,8 @@ import pytest
 from jaxppo.checkpoint import RunCheckpointer
 
 from tests.helpers import make_hf_checkpoint
-from tests.train_helpers import (FAST, all_records, assert_resumed_at_checkpoint, comparable, read_metrics, run_train,
-                                 start_train, wait_until)
+from tests.train_helpers import (FAST, all_records, assert_resumed_at_checkpoint, assert_same_step, read_metrics,
+                                 run_train, start_train, wait_until)
 
 REQUIRED = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
             "actor/kl_coef", "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/score/mean",
@@ -107,10 +107,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path):
     assert sorted(set(steps)) == list(range(6)) and all(steps.count(s) == 1 for s in range(1, 6)), steps
     a, b = read_metrics(straight), read_metrics(killed)
     for step in range(resumed + 1, 6):
-        ra, rb = comparable(a[step]), comparable(b[step])
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
+        assert_same_step(a[step], b[step], step)
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):

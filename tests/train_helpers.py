@@ -265,6 +265,17 @@ def comparable(rec: dict) -> dict:
     return {k: v for k, v in rec.items() if not k.startswith(("timing_s/", "perf/", "time"))}
 
 
+def assert_same_step(a: dict, b: dict, step: int) -> None:
+    """Two runs' records of step `step` of the same computation: the same metrics, equal to float32's rounding
+    (timings and throughput aside)."""
+    import pytest
+
+    ra, rb = comparable(a), comparable(b)
+    assert ra.keys() == rb.keys(), step
+    for k in ra:
+        assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
+
+
 def stop_checkpoint(run: Path, steps: int) -> int:
     """The one checkpoint a run stopped by a signal wrote (after step 2 and before its last step `steps`)."""
     ckpts = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
@@ -276,17 +287,12 @@ def assert_resumed_as_straight(straight: Path, run: Path, output: str, ckpt: int
     """A run stopped at checkpoint `ckpt` and resumed by the same command (`output`: the resumed process's): it
     resumed there, with the batch that was in flight when `in_flight`, and every step after it logged what the
     `straight` run, never stopped, logged (timings aside)."""
-    import pytest
-
     assert assert_resumed_at_checkpoint(run, output) == ckpt
     assert ("the next step's batch as it was in flight" in output) == in_flight
     a, b = read_metrics(straight), read_metrics(run)
     assert sorted(b) == list(range(steps + 1))
     for step in range(ckpt + 1, steps + 1):
-        ra, rb = comparable(a[step]), comparable(b[step])
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (step, k)
+        assert_same_step(a[step], b[step], step)
 
 
 def assert_resumed_at_checkpoint(run_dir: Path, output: str) -> int:
