@@ -40,6 +40,10 @@ queue() {
   # critic05 / critic15: the committed PPO configs with the next batch generated while the critic updates
   # (trainer.rollout_during_critic_update: on-policy, the synchronous step reordered; jaxppo/ahead.py);
   # critic05_helper: the same with the engine in a helper process (rollout.engine_in_trainer=false)
+  # lora7b_ahead_inproc: the committed 7B LoRA one-step-ahead config with the engine in the trainer's process (one CUDA
+  # context: XLA's and vLLM's kernels on streams of one context, not the time slices of two processes that cost the
+  # helper config 3.1 s a step at 7B, 2026-12-05); lora7b_bypass_awake: the synchronous 7B LoRA step in bypass mode
+  # (10.23 s at aa7b143) with vLLM kept awake (no wake / sleep: 0.2 s a step)
   # async15_helper / lora7b_ahead_helper (and their _mps): one step ahead with the engine in a helper process at
   # 1.5B and on the 7B LoRA config (at 0.5B, 2026-12-05: 2.76 s against 3.68 s synchronous)
   # sync05_noprefix / sync15_noprefix: the committed PPO configs with vLLM's prefix caching off (rollout.enable_prefix_caching)
@@ -70,7 +74,9 @@ lora7b_ahead_helper|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2
 async15_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15_helper_mps.json --workdir $Q/w/async15_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
 async05_helper_mps80|export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=80 && $MPS_ON $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/async05_helper_mps80.json --workdir $Q/w/async05_helper_mps80 trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
 async15_helper_mps80|export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=80 && $MPS_ON $B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15_helper_mps80.json --workdir $Q/w/async15_helper_mps80 trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
-lora7b_ahead_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_helper_mps.json --workdir $Q/w/lora7b_ahead_helper_mps trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
+lora7b_ahead_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_7b_lora_ahead.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_helper_mps.json --workdir $Q/w/lora7b_ahead_helper_mps $MPS_OFF
+lora7b_ahead_inproc|$B --config configs/gsm8k_qwen2.5_7b_lora_ahead.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_inproc.json --workdir $Q/w/lora7b_ahead_inproc rollout.engine_in_trainer=true
+lora7b_bypass_awake|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake.json --workdir $Q/w/lora7b_bypass_awake algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false
 sync05_noprefix|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_noprefix.json --workdir $Q/w/sync05_noprefix rollout.enable_prefix_caching=false
 sync15_noprefix|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/sync15_noprefix.json --workdir $Q/w/sync15_noprefix rollout.enable_prefix_caching=false
 sync05_procs2|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_procs2.json --workdir $Q/w/sync05_procs2 rollout.engine_processes=2
