@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, args.overrides)
         refuse_a_run_dir_in_use(cfg)
         if cfg.rollout.engine == "vllm":  # before JAX touches the GPU: see jaxppo/memory.py
-            from jaxppo import memory
+            from jaxppo import memory, mps
+
+            mps.start(cfg)  # rollout.cuda_mps: the run's own MPS daemon, before any process here touches the GPU
 
             if memory.plans_in_a_child(cfg):
                 # the plan compiled in a child process, so that JAX here takes exactly its need as one allocation

@@ -383,6 +383,9 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, overrides)
     plan = {}
     if cfg.rollout.engine == "vllm":  # as `python -m jaxppo.train` does, before JAX starts on the GPU
+        from jaxppo import mps
+
+        mps.start(cfg)
         if memory.plans_in_a_child(cfg):
             rc, cfg = memory.plan_in_child(cfg, ["--config", args.config, *overrides])
             if rc:

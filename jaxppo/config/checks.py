@@ -280,6 +280,10 @@ def _check_vllm_scheduler(cfg: Config) -> None:
     _check(r.engine_in_trainer or r.engine == "vllm",
            f"rollout.engine_in_trainer=false needs rollout.engine=vllm (the {r.engine} engine runs in the trainer's "
            "process)")
+    _check(not r.cuda_mps or (r.engine == "vllm" and (not r.engine_in_trainer or r.engine_processes > 1)),
+           "rollout.cuda_mps=true needs vLLM in a helper process (rollout.engine=vllm with "
+           "rollout.engine_in_trainer=false or rollout.engine_processes > 1): with one process there is nothing "
+           "for MPS to run side by side")
     _check(r.cudagraph_capture_sizes is None or all(int(b) >= 1 for b in r.cudagraph_capture_sizes),
            f"rollout.cudagraph_capture_sizes: decode batch sizes >= 1, got {r.cudagraph_capture_sizes}")
     from jaxppo.rollout import own_engine_arg

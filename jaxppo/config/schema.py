@@ -187,6 +187,9 @@ class RolloutConfig:
     # null: false for vLLM one step ahead (trainer.async_rollout: in the trainer's process its generation makes
     # almost no progress while JAX trains, docs/benchmarks.md), else true (jaxppo/config/loading.py)
     engine_in_trainer: Optional[bool] = None
+    # a CUDA MPS daemon of the run's own, so the trainer's and its helper engines' kernels share the card at once
+    # instead of in time slices (jaxppo/mps.py): vLLM with a helper process only; needs nvidia-cuda-mps-control
+    cuda_mps: bool = False
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
     # the engine's log-prob of every sampled token on every step (verl's key; actor.tis_threshold turns it on).
     # Off: on every 8th step only, for the rollout/* mismatch metrics and the health rule (jaxppo/step.py)
