@@ -1,6 +1,6 @@
 # The embedded default (configs/default.yaml, CPU) to step 80 one step ahead with the old policy's log-probs
-# recomputed by the trainer and no correction (what verl's one-step-off recipe does unless a rollout correction is
-# configured): rollout_rs=token_k1 with bounds that reject nothing keeps trainer.async_rollout from implying bypass
+# recomputed by the trainer and no correction (verl's PPO step one step off without a rollout correction; its
+# one-step-off recipe now sets bypass mode): rollout_rs=token_k1 with bounds that reject nothing keeps trainer.async_rollout from implying bypass
 # mode, so the old-log-prob pass runs and nothing reweights the loss. Two seeds at once on a 2-core machine.
 # Usage: bash docs/benchmarks/learning/cpu_async_recompute_2026-12-05/run.sh OUT_DIR
 set -eu
