@@ -312,7 +312,8 @@ def test_a_full_disk_during_a_save_names_the_cause(tmp_path):
                          timeout=600, env=train_env(), cwd=ROOT)
     assert res.returncode == 2, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "checkpoints/1" in last and "no space left on the device" in last, last
+    assert last.startswith("error: ") and "checkpoints/1" in last and "no space left on the device" in last, \
+        res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
