@@ -78,6 +78,20 @@ BUDGET_KEYS = {"actor_update": "actor.ppo_max_token_len_per_device",
                "critic_forward": "critic.forward_max_token_len_per_device"}
 
 
+def before_the_gpu(cfg: Any, argv: list[str]) -> tuple[int, Any]:
+    """What a vLLM run's process does before JAX touches the GPU (`python -m jaxppo.train`, bench_ppo_step.py):
+    the run's own CUDA MPS daemon when `rollout.cuda_mps` asks (jaxppo/mps.py: first, so that the plan's child and
+    the engines are its clients), then the card's split: the plan compiled in a child process (`plan_in_child`,
+    ARGV the run's config arguments) or the configured split (`apply`). Returns (exit code, the config to run)."""
+    from jaxppo import mps
+
+    mps.start(cfg)
+    if plans_in_a_child(cfg):
+        return plan_in_child(cfg, argv)
+    apply(cfg.rollout.gpu_memory_utilization)
+    return 0, cfg
+
+
 def plans_in_a_child(cfg: Any) -> bool:
     """The plan runs in a child process where it decides JAX's allocation: in-process vLLM on a GPU, one process
     (jax.distributed runs plan in-process against their configured split), training (not plan_only / val_only)."""

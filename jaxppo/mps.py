@@ -75,7 +75,8 @@ def start(cfg: Any) -> subprocess.Popen | None:
         raise ConfigError(f"rollout.cuda_mps=true: {CONTROL} is not on PATH (it comes with the NVIDIA driver's "
                           "utilities); set rollout.cuda_mps=false to run without MPS")
     where = Path(tempfile.mkdtemp(prefix="jaxppo-mps-"))
-    env = dict(os.environ, **{k: str(where) for k in ENV_KEYS})
+    named = {k: str(where) for k in ENV_KEYS}
+    env = dict(os.environ, **named)
     try:
         res = subprocess.run([exe, "-d"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=60)
@@ -88,7 +89,7 @@ def start(cfg: Any) -> subprocess.Popen | None:
                           f"{res.stdout.strip() or '(no output)'}")
     watcher = subprocess.Popen([sys.executable, "-c", _WATCH, str(os.getpid()), exe, str(where)], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
-    os.environ.update({k: str(where) for k in ENV_KEYS})
+    os.environ.update(named)
     log.info("CUDA MPS: a daemon of the run's own (pipe and log directory %s): the trainer's and its helpers' "
              "kernels share the card at once; stopped when this process ends", where)
     return watcher

@@ -78,18 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, args.overrides)
         refuse_a_run_dir_in_use(cfg)
         if cfg.rollout.engine == "vllm":  # before JAX touches the GPU: see jaxppo/memory.py
-            from jaxppo import memory, mps
+            from jaxppo import memory
 
-            mps.start(cfg)  # rollout.cuda_mps: the run's own MPS daemon, before any process here touches the GPU
-
-            if memory.plans_in_a_child(cfg):
-                # the plan compiled in a child process, so that JAX here takes exactly its need as one allocation
-                # and vLLM the rest; this process then runs with the budgets and the split the plan chose
-                rc, cfg = memory.plan_in_child(cfg, [*(["--config", str(path)] if path else []), *args.overrides])
-                if rc:
-                    return rc
-            else:
-                memory.apply(cfg.rollout.gpu_memory_utilization)
+            # the plan compiled in a child process, so that JAX here takes exactly its need as one allocation and
+            # vLLM the rest; this process then runs with the budgets and the split the plan chose
+            rc, cfg = memory.before_the_gpu(cfg, [*(["--config", str(path)] if path else []), *args.overrides])
+            if rc:
+                return rc
         from jaxppo.distributed import initialize_from_env
 
         initialize_from_env()  # several processes (jaxppo.launch, torchrun, SLURM): one global mesh

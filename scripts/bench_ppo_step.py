@@ -383,15 +383,9 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, overrides)
     plan = {}
     if cfg.rollout.engine == "vllm":  # as `python -m jaxppo.train` does, before JAX starts on the GPU
-        from jaxppo import mps
-
-        mps.start(cfg)
-        if memory.plans_in_a_child(cfg):
-            rc, cfg = memory.plan_in_child(cfg, ["--config", args.config, *overrides])
-            if rc:
-                return rc
-        else:
-            memory.apply(cfg.rollout.gpu_memory_utilization)
+        rc, cfg = memory.before_the_gpu(cfg, ["--config", args.config, *overrides])
+        if rc:
+            return rc
         plan = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
     from jaxppo.train import make_engine_factory
     from jaxppo.trainer import PPOTrainer
