@@ -32,11 +32,7 @@ from jaxppo.errors import ConfigError, JaxppoError
 
 CONTROL = "nvidia-cuda-mps-control"
 ENV_KEYS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
-SM_SHARE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # read by CUDA when a client process makes its context
 log = logging.getLogger(__name__)
-# what a helper engine's process starts with instead of this process's environment (None: unset), filled by `start`
-# when the trainer's process holds a share of the SMs that its helpers must not inherit
-helper_env: dict[str, str | None] = {}
 
 # the watcher: waits for the trainer's process to end (on its pidfd), then stops the daemon
 _WATCH = """
@@ -74,7 +70,6 @@ def start(cfg: Any) -> subprocess.Popen | None:
     if topology_from_env() is not None:
         raise ConfigError("rollout.cuda_mps=true runs in one process only (a daemon of its own per run; a run of "
                           "several processes would start one per process)")
-    helper_env.clear()
     exe = shutil.which(CONTROL)
     if exe is None:
         raise ConfigError(f"rollout.cuda_mps=true: {CONTROL} is not on PATH (it comes with the NVIDIA driver's "
@@ -95,11 +90,6 @@ def start(cfg: Any) -> subprocess.Popen | None:
     watcher = subprocess.Popen([sys.executable, "-c", _WATCH, str(os.getpid()), exe, str(where)], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     os.environ.update(named)
-    share = cfg.rollout.cuda_mps_trainer_sm_percent
-    if share < 100:  # this process's contexts only: the daemon started without it, the helpers start without it
-        helper_env[SM_SHARE] = os.environ.get(SM_SHARE)
-        os.environ[SM_SHARE] = str(share)
     log.info("CUDA MPS: a daemon of the run's own (pipe and log directory %s): the trainer's and its helpers' "
-             "kernels share the card at once%s; stopped when this process ends", where,
-             f", the trainer's on at most {share} % of the SMs" if share < 100 else "")
+             "kernels share the card at once; stopped when this process ends", where)
     return watcher

@@ -23,8 +23,7 @@ HELPER = ["rollout.engine=vllm", "rollout.engine_in_trainer=false", "rollout.cud
 
 def fake_control(tmp_path: Path, exit_code: int = 0) -> Path:
     """A stand-in control binary: one line per call to $FAKE_MPS_LOG (its arguments, the pipe directory it was
-    given, what came on stdin for a command, whether $FAKE_TRAINER_PID was still running then, and the share of the
-    SMs in its environment)."""
+    given, what came on stdin for a command, and whether $FAKE_TRAINER_PID was still running then)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     exe = bin_dir / mps.CONTROL
@@ -33,9 +32,7 @@ def fake_control(tmp_path: Path, exit_code: int = 0) -> Path:
         state=$(awk '{{print $3}}' /proc/$FAKE_TRAINER_PID/stat 2>/dev/null)
         if [ -n "$state" ] && [ "$state" != Z ]; then alive=1; else alive=0; fi
         if [ "$1" = -d ]; then cmd="-d"; else cmd=$(cat); fi
-        share=${{CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-}}
-        echo "cmd=$cmd pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY trainer_alive=$alive share=$share" \
-            >> "$FAKE_MPS_LOG"
+        echo "cmd=$cmd pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY trainer_alive=$alive" >> "$FAKE_MPS_LOG"
         [ {exit_code} = 0 ] || echo "An instance of this daemon is already running"
         exit {exit_code}
         """))
@@ -98,44 +95,10 @@ def test_the_daemon_serves_the_whole_run_and_quits_after_the_trainer_ends(tmp_pa
     except ProcessLookupError:
         pass  # it has ended already
     lines = calls.read_text().splitlines()
-    assert lines == [f"cmd=-d pipe={where} log={where} trainer_alive=1 share=",
-                     f"cmd=quit pipe={where} log={where} trainer_alive=0 share="]
+    assert lines == [f"cmd=-d pipe={where} log={where} trainer_alive=1",
+                     f"cmd=quit pipe={where} log={where} trainer_alive=0"]
     assert seen_by_child == where and Path(where).name.startswith("jaxppo-mps-")
     assert not Path(where).exists()
-
-
-@pytest.mark.parametrize("users_own", [None, "90"])
-def test_the_trainers_share_of_the_sms_is_its_own(tmp_path, users_own):
-    """`rollout.cuda_mps_trainer_sm_percent`: the trainer's process runs with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE at
-    the share; the daemon and the helper engines' processes start with what the environment had before (nothing,
-    or a share the user set for every process), and the trainer keeps its own after starting them."""
-    calls = tmp_path / "calls.log"
-    env = dict(os.environ, PATH=f"{fake_control(tmp_path)}:{os.environ['PATH']}", FAKE_MPS_LOG=str(calls),
-               PYTHONPATH=str(ROOT))
-    env.pop(mps.SM_SHARE, None)
-    if users_own:
-        env[mps.SM_SHARE] = users_own
-    trainer = textwrap.dedent(f"""\
-        import os, subprocess, sys
-        os.environ["FAKE_TRAINER_PID"] = str(os.getpid())
-        from jaxppo import mps
-        from jaxppo.config import load_config
-        from bridge.engines.vllm_processes import _helper_env
-        mps.start(load_config(None, {HELPER!r} + ["rollout.cuda_mps_trainer_sm_percent=60"]))
-        show = [sys.executable, "-c", "import os; print(os.environ.get({mps.SM_SHARE!r}, '-'))"]
-        with _helper_env():
-            helper = subprocess.run(show, stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
-        print(os.environ[{mps.SM_SHARE!r}], helper)
-        """)
-    proc = subprocess.run([sys.executable, "-c", trainer], env=env, stdout=subprocess.PIPE, text=True, check=True,
-                          cwd=tmp_path)
-    trainer_share, helper_share = proc.stdout.split()[-2:]
-    assert (trainer_share, helper_share) == ("60", users_own or "-")
-    assert calls.read_text().splitlines()[0].endswith(f"share={users_own or ''}")  # the daemon's own start
-    with pytest.raises(ConfigError, match="rollout.cuda_mps_trainer_sm_percent=60 needs rollout.cuda_mps=true"):
-        load_config(None, [*HELPER[:2], "rollout.cuda_mps_trainer_sm_percent=60"])
-    with pytest.raises(ConfigError, match="must be in 1..100, got 0"):
-        load_config(None, [*HELPER, "rollout.cuda_mps_trainer_sm_percent=0"])
 
 
 def test_a_plan_only_run_starts_no_daemon(tmp_path, monkeypatch):

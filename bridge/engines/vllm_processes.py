@@ -51,27 +51,17 @@ CALL_TIMEOUT_S = 3600.0  # one generation, push, sleep or wake
 
 
 @contextlib.contextmanager
-def _helper_env():
-    """The environment a helper starts with: JAX_PLATFORMS=cpu, and without the trainer's own share of the SMs under
-    the run's MPS daemon (jaxppo/mps.py); this process's own settings restored after."""
-    from jaxppo import mps
-
-    wanted: dict[str, str | None] = {"JAX_PLATFORMS": "cpu", **mps.helper_env}
-    before = {k: os.environ.get(k) for k in wanted}
-    for k, v in wanted.items():
-        _set_env(k, v)
+def _jax_on_cpu():
+    """The environment a helper starts with: JAX_PLATFORMS=cpu (this process's own setting restored after)."""
+    before = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"
     try:
         yield
     finally:
-        for k, v in before.items():
-            _set_env(k, v)
-
-
-def _set_env(key: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = value
+        if before is None:
+            del os.environ["JAX_PLATFORMS"]
+        else:
+            os.environ["JAX_PLATFORMS"] = before
 
 
 def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
@@ -137,7 +127,7 @@ class VLLMProcesses:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_serve, args=(child, str(model_dir), kwargs), daemon=True,
                                    name=f"jaxppo-vllm-{i}")
-                with _helper_env():  # the child imports JAX before _serve runs (the weight types): not on the card
+                with _jax_on_cpu():  # the child imports JAX before _serve runs (the weight types): not on the card
                     proc.start()
                 child.close()
                 self._conns.append(parent)

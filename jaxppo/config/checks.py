@@ -284,11 +284,6 @@ def _check_vllm_scheduler(cfg: Config) -> None:
            "rollout.cuda_mps=true needs vLLM in a helper process (rollout.engine=vllm with "
            "rollout.engine_in_trainer=false or rollout.engine_processes > 1): with one process there is nothing "
            "for MPS to run side by side")
-    _check(1 <= r.cuda_mps_trainer_sm_percent <= 100,
-           f"rollout.cuda_mps_trainer_sm_percent must be in 1..100, got {r.cuda_mps_trainer_sm_percent}")
-    _check(r.cuda_mps_trainer_sm_percent == 100 or r.cuda_mps,
-           f"rollout.cuda_mps_trainer_sm_percent={r.cuda_mps_trainer_sm_percent} needs rollout.cuda_mps=true (a "
-           "share of the SMs is an MPS setting)")
     _check(r.cudagraph_capture_sizes is None or all(int(b) >= 1 for b in r.cudagraph_capture_sizes),
            f"rollout.cudagraph_capture_sizes: decode batch sizes >= 1, got {r.cudagraph_capture_sizes}")
     from jaxppo.rollout import own_engine_arg

@@ -190,10 +190,6 @@ class RolloutConfig:
     # a CUDA MPS daemon of the run's own, so the trainer's and its helper engines' kernels share the card at once
     # instead of in time slices (jaxppo/mps.py): vLLM with a helper process only; needs nvidia-cuda-mps-control
     cuda_mps: bool = False
-    # under rollout.cuda_mps, the share of the card's SMs the trainer's own kernels may use (1-100: MPS's
-    # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set for the trainer's process only; the helper engines keep every SM), so
-    # that XLA's kernels leave room for the helpers' decode beside them (at 0.5B under plain MPS it starved)
-    cuda_mps_trainer_sm_percent: int = 100
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
     # the engine's log-prob of every sampled token on every step (verl's key; actor.tis_threshold turns it on).
     # Off: on every 8th step only, for the rollout/* mismatch metrics and the health rule (jaxppo/step.py)

@@ -41,8 +41,7 @@ queue() {
   # (trainer.rollout_during_critic_update: on-policy, the synchronous step reordered; jaxppo/ahead.py);
   # critic05_helper: the same with the engine in a helper process (rollout.engine_in_trainer=false)
   # *_cudamps: a committed one-step-ahead config with rollout.cuda_mps=true (the run's own MPS daemon, jaxppo/mps.py,
-  # started by the benchmark itself as the trainer would: no queue daemon); *_cudamps<N>: the same with the trainer's
-  # kernels on at most N % of the SMs (rollout.cuda_mps_trainer_sm_percent; the helper's on all of them)
+  # started by the benchmark itself as the trainer would: no queue daemon)
   # lora7b_ahead_inproc: the committed 7B LoRA one-step-ahead config with the engine in the trainer's process (one CUDA
   # context: XLA's and vLLM's kernels on streams of one context, not the time slices of two processes that cost the
   # helper config 3.1 s a step at 7B, 2026-12-05); lora7b_bypass_awake: the synchronous 7B LoRA step in bypass mode
@@ -79,9 +78,6 @@ async05_helper_mps80|export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=80 && $MPS_ON $B -
 async15_helper_mps80|export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=80 && $MPS_ON $B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/async15_helper_mps80.json --workdir $Q/w/async15_helper_mps80 trainer.async_rollout=true rollout.engine_in_trainer=false $MPS_OFF
 lora7b_ahead_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_7b_lora_ahead.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_helper_mps.json --workdir $Q/w/lora7b_ahead_helper_mps $MPS_OFF
 lora7b_ahead_cudamps|$B --config configs/gsm8k_qwen2.5_7b_lora_ahead.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_cudamps.json --workdir $Q/w/lora7b_ahead_cudamps rollout.cuda_mps=true
-ahead05_cudamps60|$B --config configs/gsm8k_qwen2.5_0.5b_ahead.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/ahead05_cudamps60.json --workdir $Q/w/ahead05_cudamps60 rollout.cuda_mps=true rollout.cuda_mps_trainer_sm_percent=60
-ahead05_cudamps80|$B --config configs/gsm8k_qwen2.5_0.5b_ahead.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/ahead05_cudamps80.json --workdir $Q/w/ahead05_cudamps80 rollout.cuda_mps=true rollout.cuda_mps_trainer_sm_percent=80
-ahead15_cudamps80|$B --config configs/gsm8k_qwen2.5_1.5b_ahead.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/ahead15_cudamps80.json --workdir $Q/w/ahead15_cudamps80 rollout.cuda_mps=true rollout.cuda_mps_trainer_sm_percent=80
 ahead15_cudamps|$B --config configs/gsm8k_qwen2.5_1.5b_ahead.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/ahead15_cudamps.json --workdir $Q/w/ahead15_cudamps rollout.cuda_mps=true
 lora7b_ahead_inproc|$B --config configs/gsm8k_qwen2.5_7b_lora_ahead.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_inproc.json --workdir $Q/w/lora7b_ahead_inproc rollout.engine_in_trainer=true
 lora7b_bypass_awake|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake.json --workdir $Q/w/lora7b_bypass_awake algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false
