@@ -8,6 +8,9 @@
 # issue the `wait` calls back to back (a call that finds a bare machine says so at once, exit 3), each with a
 # limit under the device time left (`status`), though a call cut short still returns what `wait` had copied.
 # Seconds per job on a warm machine, roughly: 0.5B 140-210, 1.5B ~300, 7B 450-800 (the first start of a shape is the slowest).
+# JOB_TIMEOUT (seconds, default 1500) ends a job that hangs (SIGABRT: its Python threads' stacks land in its log); set
+# it at start, e.g. JOB_TIMEOUT=420 for 0.5B jobs (on 2026-12-05 a hung 0.5B job would have held the queue until the
+# session's device time ran out).
 set -u
 Q=/tmp/q
 PY=/opt/torch/.venv/bin/python3
@@ -138,7 +141,9 @@ run_queue() {
   chosen | while IFS='|' read -r name cmd; do
     echo "$(date +%T) start $name" >> $Q/summary.log
     t0=$(date +%s)
-    bash -c "$cmd" > $Q/$name.log 2>&1
+    # a job past JOB_TIMEOUT gets SIGABRT (its process group): Python's faulthandler (PYTHONFAULTHANDLER, set at
+    # start) writes every thread's stack into the job's log, and the queue goes on to the next job
+    timeout -s ABRT --kill-after=30 "${JOB_TIMEOUT:-1500}" bash -c "$cmd" > $Q/$name.log 2>&1
     rc=$?
     echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t0 )) s" >> $Q/summary.log
   done
@@ -159,11 +164,11 @@ if [ "$mode" = start ]; then
   : "${JAXPPO_COMMIT:?set JAXPPO_COMMIT to the commit under test}"
   rm -rf $Q && mkdir -p $Q/w && touch $Q/summary.log
   mkdir -p /tmp/whl && $PY -m pip install -q --no-index --no-deps --upgrade --target /tmp/whl .whl/*.whl
-  export JAXPPO_COMMIT PYTHONPATH=/tmp/site:/tmp/whl:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+  export JAXPPO_COMMIT PYTHONPATH=/tmp/site:/tmp/whl:. PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
   export -f run_queue queue chosen
-  export Q PY JOBS
+  export Q PY JOBS JOB_TIMEOUT
   setsid bash -c run_queue > $Q/queue.out 2>&1 < /dev/null &
   echo "queue started: $(chosen | cut -d'|' -f1 | tr '\n' ' ')"
 else
