@@ -32,12 +32,13 @@ from jaxppo.errors import ConfigError, JaxppoError
 
 CONTROL = "nvidia-cuda-mps-control"
 ENV_KEYS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+QUIT_TIMEOUT_S = 120.0  # how long the watcher waits for the daemon to answer `quit` before it tells how to stop it
 log = logging.getLogger(__name__)
 
 # the watcher: waits for the trainer's process to end (on its pidfd), then stops the daemon
 _WATCH = """
 import os, select, shutil, subprocess, sys, time
-pid, exe, where = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+pid, exe, where, patience = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
 try:
     select.select([os.pidfd_open(pid)], [], [])
 except ProcessLookupError:
@@ -49,12 +50,17 @@ except (AttributeError, OSError):  # no pidfd (a kernel before 5.3): ask once a 
         except ProcessLookupError:
             break
         time.sleep(1.0)
-res = subprocess.run([exe], input="quit\\n", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
-if res.returncode == 0:
-    shutil.rmtree(where, ignore_errors=True)
-else:
-    print(f"jaxppo: the run's MPS daemon did not quit (exit {res.returncode}): {res.stdout.strip()}; stop it with "
+try:
+    res = subprocess.run([exe], input="quit\\n", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=patience)
+    failed = f"exit {res.returncode}: {res.stdout.strip()}" if res.returncode else ""
+except subprocess.TimeoutExpired:
+    failed = f"no answer to quit within {patience:g} s"
+if failed:
+    print(f"jaxppo: the run's MPS daemon did not quit ({failed}); stop it with "
           f"`echo quit | CUDA_MPS_PIPE_DIRECTORY={where} {exe}`", file=sys.stderr)
+else:
+    shutil.rmtree(where, ignore_errors=True)
 """
 
 
@@ -87,8 +93,8 @@ def start(cfg: Any) -> subprocess.Popen | None:
         shutil.rmtree(where, ignore_errors=True)
         raise JaxppoError(f"rollout.cuda_mps=true: `{CONTROL} -d` failed (exit {res.returncode}): "
                           f"{res.stdout.strip() or '(no output)'}")
-    watcher = subprocess.Popen([sys.executable, "-c", _WATCH, str(os.getpid()), exe, str(where)], env=env,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCH, str(os.getpid()), exe, str(where), str(QUIT_TIMEOUT_S)],
+                               env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     os.environ.update(named)
     log.info("CUDA MPS: a daemon of the run's own (pipe and log directory %s): the trainer's and its helpers' "
              "kernels share the card at once; stopped when this process ends", where)

@@ -32,6 +32,7 @@ def fake_control(tmp_path: Path, exit_code: int = 0) -> Path:
         state=$(awk '{{print $3}}' /proc/$FAKE_TRAINER_PID/stat 2>/dev/null)
         if [ -n "$state" ] && [ "$state" != Z ]; then alive=1; else alive=0; fi
         if [ "$1" = -d ]; then cmd="-d"; else cmd=$(cat); fi
+        if [ "$cmd" = quit ] && [ -n "$FAKE_QUIT_HANGS" ]; then exec sleep 60; fi
         echo "cmd=$cmd pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY trainer_alive=$alive" >> "$FAKE_MPS_LOG"
         [ {exit_code} = 0 ] || echo "An instance of this daemon is already running"
         exit {exit_code}
@@ -99,6 +100,30 @@ def test_the_daemon_serves_the_whole_run_and_quits_after_the_trainer_ends(tmp_pa
                      f"cmd=quit pipe={where} log={where} trainer_alive=0"]
     assert seen_by_child == where and Path(where).name.startswith("jaxppo-mps-")
     assert not Path(where).exists()
+
+
+def test_a_daemon_that_does_not_answer_quit_is_named_with_the_command_to_stop_it(tmp_path):
+    """The watcher waits QUIT_TIMEOUT_S for the daemon's answer to `quit`; past it, the run's stderr gets the command
+    that stops the daemon by hand (not a traceback), and the directory the daemon may still use is kept."""
+    env = dict(os.environ, PATH=f"{fake_control(tmp_path)}:{os.environ['PATH']}", FAKE_MPS_LOG=str(tmp_path / "log"),
+               FAKE_QUIT_HANGS="1", PYTHONPATH=str(ROOT))
+    trainer = textwrap.dedent(f"""\
+        import os
+        os.environ["FAKE_TRAINER_PID"] = str(os.getpid())
+        from jaxppo import mps
+        from jaxppo.config import load_config
+        mps.QUIT_TIMEOUT_S = 1.0
+        mps.start(load_config(None, {HELPER!r}))
+        print(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+        """)
+    # stderr stays open in the watcher until it has ended: run() returns once the watcher has given up on the daemon
+    proc = subprocess.run([sys.executable, "-c", trainer], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, check=True, cwd=tmp_path, timeout=50)
+    where = proc.stdout.split()[-1]
+    assert (f"the run's MPS daemon did not quit (no answer to quit within 1 s); stop it with "
+            f"`echo quit | CUDA_MPS_PIPE_DIRECTORY={where} ") in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert Path(where).is_dir()
 
 
 def test_a_plan_only_run_starts_no_daemon(tmp_path, monkeypatch):
