@@ -99,3 +99,13 @@ def start(cfg: Any) -> subprocess.Popen | None:
     log.info("CUDA MPS: a daemon of the run's own (pipe and log directory %s): the trainer's and its helpers' "
              "kernels share the card at once; stopped when this process ends", where)
     return watcher
+
+
+def check_started(cfg: Any) -> None:
+    """Refuse a `rollout.cuda_mps` run whose process names no MPS daemon: a trainer built directly (not through
+    `python -m jaxppo.train`) would otherwise run without MPS and say nothing. Call before the GPU is touched."""
+    if cfg.rollout.cuda_mps and not cfg.trainer.plan_only and not os.environ.get(ENV_KEYS[0]):
+        raise ConfigError(f"rollout.cuda_mps=true, but no MPS daemon is named in this process's environment "
+                          f"({ENV_KEYS[0]}): call jaxppo.memory.before_the_gpu(cfg, argv) (or jaxppo.mps.start(cfg)) "
+                          "before the trainer is built and before anything touches the GPU, as python -m jaxppo.train "
+                          "does, or set rollout.cuda_mps=false")

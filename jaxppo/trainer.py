@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxppo import distributed as dist
 from jaxppo import memory
+from jaxppo import mps
 from jaxppo import start
 from jaxppo.plan import bind_plan
 from jaxppo import step as ppo_step
@@ -75,6 +76,7 @@ class PPOTrainer:
     def __init__(self, cfg: Config, engine_factory: EngineFactory):
         self.cfg = cfg
         t = cfg.trainer
+        mps.check_started(cfg)  # before JAX's backend starts here (the next line)
         self.main = jax.process_index() == 0  # writes the config, metrics and logs; every process checkpoints
         # the memory plan first, from abstract states (jaxppo/start.py): a run that cannot fit stops here
         prep = start.prepare(cfg)

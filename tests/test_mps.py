@@ -126,6 +126,22 @@ def test_a_daemon_that_does_not_answer_quit_is_named_with_the_command_to_stop_it
     assert Path(where).is_dir()
 
 
+def test_a_trainer_built_without_the_daemon_is_refused(monkeypatch):
+    """PPOTrainer built directly (not through `python -m jaxppo.train`) with rollout.cuda_mps=true and no daemon named
+    in the environment: refused before JAX starts, naming what to call. With a daemon named (the run's or the
+    user's), or in the plan's child, nothing is asked."""
+    from jaxppo.trainer import PPOTrainer
+
+    for k in mps.ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ConfigError, match="no MPS daemon is named .*jaxppo.memory.before_the_gpu"):
+        PPOTrainer(load_config(None, HELPER), engine_factory=None)
+    mps.check_started(load_config(None, [*HELPER, "trainer.plan_only=true"]))
+    mps.check_started(load_config(None, HELPER[:2]))
+    monkeypatch.setenv(mps.ENV_KEYS[0], "/tmp/somewhere")
+    mps.check_started(load_config(None, HELPER))
+
+
 def test_a_plan_only_run_starts_no_daemon(tmp_path, monkeypatch):
     """The memory plan's child (`trainer.plan_only=true`) runs under its parent's daemon: it starts none."""
     monkeypatch.setenv("PATH", str(tmp_path))  # no control binary: a start would raise
