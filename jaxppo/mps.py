@@ -64,12 +64,17 @@ else:
 """
 
 
+def _wants_a_daemon(cfg: Any) -> bool:
+    """`rollout.cuda_mps`, outside a plan-only run (the memory plan's child runs under its parent's daemon)."""
+    return cfg.rollout.cuda_mps and not cfg.trainer.plan_only
+
+
 def start(cfg: Any) -> subprocess.Popen | None:
     """With `rollout.cuda_mps`: start the run's MPS daemon and name it in this process's environment (for the rest
     of the process's life), and the watcher that stops it once this process has ended (returned). Call it before the
     GPU is touched here. Without the key, or in a plan-only run (the memory plan's child inherits its parent's
     daemon through the environment): nothing (None)."""
-    if not cfg.rollout.cuda_mps or cfg.trainer.plan_only:  # the plan's child runs under its parent's daemon
+    if not _wants_a_daemon(cfg):
         return None
     from jaxppo.distributed import topology_from_env
 
@@ -104,7 +109,7 @@ def start(cfg: Any) -> subprocess.Popen | None:
 def check_started(cfg: Any) -> None:
     """Refuse a `rollout.cuda_mps` run whose process names no MPS daemon: a trainer built directly (not through
     `python -m jaxppo.train`) would otherwise run without MPS and say nothing. Call before the GPU is touched."""
-    if cfg.rollout.cuda_mps and not cfg.trainer.plan_only and not os.environ.get(ENV_KEYS[0]):
+    if _wants_a_daemon(cfg) and not os.environ.get(ENV_KEYS[0]):
         raise ConfigError(f"rollout.cuda_mps=true, but no MPS daemon is named in this process's environment "
                           f"({ENV_KEYS[0]}): call jaxppo.memory.before_the_gpu(cfg, argv) (or jaxppo.mps.start(cfg)) "
                           "before the trainer is built and before anything touches the GPU, as python -m jaxppo.train "

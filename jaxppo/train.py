@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.rollout.engine == "vllm":  # before JAX touches the GPU: see jaxppo/memory.py
             from jaxppo import memory
 
-            # the plan compiled in a child process, so that JAX here takes exactly its need as one allocation and
-            # vLLM the rest; this process then runs with the budgets and the split the plan chose
+            # the run's MPS daemon if asked, then the plan compiled in a child process, so that JAX here takes exactly
+            # its need as one allocation and vLLM the rest; this process then runs with the budgets and split it chose
             rc, cfg = memory.before_the_gpu(cfg, [*(["--config", str(path)] if path else []), *args.overrides])
             if rc:
                 return rc
