@@ -10,6 +10,11 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {F
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per in-process vLLM engine
+# torch's OpenMP threads sleep when they run out of work instead of spinning: the two test workers share two cores,
+# and a spinning pool takes the core the other worker's run needs. Two embedded-default runs at once on the 2-core
+# CI machine (2026-12-06): the HF engine's generation took 1.2-1.3 s a step with PASSIVE against 2.2-7.9 s without,
+# each step 10.2-11.0 s against 11.6-16.4 s; a run alone moved within the machine's noise either way
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
