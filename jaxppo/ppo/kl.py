@@ -14,6 +14,7 @@ Estimators take per-token log-probs of the sampled tokens under the current poli
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,9 @@ def update_kl_coef(cfg: KLControlConfig, kl_coef: float, current_kl: float, n_st
 # ---------------------------------------------------------------- KL in the reward
 
 
+# jitted: called eagerly once a step, each eager jnp op would be a program of its own to trace, lower and compile
+# at every start (a dozen small compiles: ~0.4 s of a CPU test run's start, 2026-12-06)
+@jax.jit
 def scores_to_token_level(scores: Float[Array, "b"], response_mask: Float[Array, "b t"]) -> Array:
     """Place each sequence's scalar score at its last valid response token (rows with none get nothing)."""
     t = response_mask.shape[-1]
@@ -108,6 +112,7 @@ def scores_to_token_level(scores: Float[Array, "b"], response_mask: Float[Array,
     return jnp.where(jnp.arange(t)[None, :] == last[:, None], scores[:, None], 0.0).astype(scores.dtype)
 
 
+@functools.partial(jax.jit, static_argnames="kind")
 def apply_kl_penalty(token_level_scores: Array, logprob: Array, ref_logprob: Array, response_mask: Array,
                      kl_coef: float | Array, kind: str = "k1") -> tuple[Array, Array]:
     """token_level_rewards = scores - beta * KL per token (masked), and the batch's mean per-sequence KL

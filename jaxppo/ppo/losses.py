@@ -91,6 +91,7 @@ def truncated_is_weights(trainer_logprob: Array, rollout_logprob: Array, respons
     return jax.lax.stop_gradient(jnp.where(response_mask > 0, w, 0.0))
 
 
+@jax.jit  # one program, not one per eager op (see jaxppo.ppo.kl.scores_to_token_level)
 def rollout_mismatch_metrics(trainer_logprob: Array, rollout_logprob: Array, response_mask: Array) -> dict[str, Array]:
     """How far the engine's sampling distribution is from the trainer's, on the sampled tokens:
     mean / max |p_rollout - p_trainer|, their Pearson correlation, and the mean |log-prob difference|."""
