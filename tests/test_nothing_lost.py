@@ -21,9 +21,9 @@ from jaxppo.checkpoint import RunCheckpointer
 from jaxppo.export import MARKER, main as export_main
 from jaxppo.train import main as train_main
 from tests.helpers import make_hf_checkpoint
-from tests.train_helpers import FAST, ROOT, all_records, run_train, train_env
+from tests.train_helpers import FAST, ROOT, WARM, all_records, run_train, train_env
 
-BASE = [*FAST, "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.max_to_keep=4",
+BASE = [*FAST, *WARM, "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.max_to_keep=4",
         "trainer.test_freq=-1"]
 
 
