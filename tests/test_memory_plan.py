@@ -29,6 +29,9 @@ def prepared(tmp_path, *overrides):
 
     cfg = load_config(ROOT / "configs" / "default.yaml", [f"trainer.default_local_dir={tmp_path / 'run'}",
                                                           *overrides])
+    # the run directory exists: the start writes its data there, not into a staging directory under the system's
+    # temporary directory that only the trainer's next steps would remove (each such test left one behind)
+    (tmp_path / "run").mkdir(exist_ok=True)
     return start.prepare(cfg, quiet=True)
 
 

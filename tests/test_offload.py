@@ -65,6 +65,7 @@ def test_the_plan_counts_the_moments_on_the_host_and_refuses_what_the_host_canno
     def prep(*extra):
         cfg = load_config(ROOT / "configs" / "default.yaml", [f"trainer.default_local_dir={tmp_path / 'run'}", *FAST,
                                                               "trainer.device_memory_gb=4", *extra])
+        (tmp_path / "run").mkdir(exist_ok=True)  # no staging directory left behind (tests/test_memory_plan.py)
         return start.prepare(cfg, quiet=True).plan
 
     plain, off = prep(), prep("actor.optimizer_offload=true", "critic.optimizer_offload=true")
