@@ -12,8 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per in-process vLLM engine
 # torch's OpenMP threads sleep when they run out of work instead of spinning: the two test workers share two cores,
 # and a spinning pool takes the core the other worker's run needs. Two embedded-default runs at once on the 2-core
-# CI machine (2026-12-06): the HF engine's generation took 1.2-1.3 s a step with PASSIVE against 2.2-7.9 s without,
-# each step 10.2-11.0 s against 11.6-16.4 s; a run alone moved within the machine's noise either way
+# CI machine: the HF engine's generation took 1.1 s a step with PASSIVE against 5.0 s without, each step 9.9 s against
+# 13.8 s; a run alone moved within the machine's noise either way (docs/benchmarks/ci_time_2026-12-06)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jax  # noqa: E402

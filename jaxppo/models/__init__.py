@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,6 @@ _ABSTRACT: dict[tuple, Any] = {}
 
 def abstract_params(module: nn.Module) -> Any:
     """Parameter tree of `nn.Partitioned` ShapeDtypeStructs (shapes + logical axis names), no memory used."""
-    import dataclasses
-
     # _init's clone sets scan_unroll and attention_impl: they do not change the parameters
     key = (type(module), *((f.name, getattr(module, f.name)) for f in dataclasses.fields(module)
                            if f.name not in ("parent", "name", "scan_unroll", "attention_impl")))

@@ -103,7 +103,7 @@ def update_kl_coef(cfg: KLControlConfig, kl_coef: float, current_kl: float, n_st
 
 
 # jitted: called eagerly once a step, each eager jnp op would be a program of its own to trace, lower and compile
-# at every start (a dozen small compiles: ~0.4 s of a CPU test run's start, 2026-12-06)
+# at every start (nine small programs; docs/benchmarks/ci_time_2026-12-06)
 @jax.jit
 def scores_to_token_level(scores: Float[Array, "b"], response_mask: Float[Array, "b t"]) -> Array:
     """Place each sequence's scalar score at its last valid response token (rows with none get nothing)."""
