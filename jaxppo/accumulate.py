@@ -52,7 +52,9 @@ def minibatch_gradients(engine: Any, loss_fn: Callable, params: Any, minibatch: 
     num_tokens, num_seqs = _norms(minibatch["response_mask"])
     if "seq_count" in minibatch:  # packed rows are not sequences
         num_seqs = jnp.sum(minibatch["seq_count"])
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # jitted inside the program: the first micro-batch's call and the scan's body share one trace of the model's
+    # forward and backward (jit keeps traces by argument types) and one lowered function (XLA inlines it)
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
 
     def scan_grads(params, micro, num_tokens, num_seqs, extra):
         # the first micro-batch's gradients start the sum (no zero-filled accumulator to write and add)

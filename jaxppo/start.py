@@ -113,8 +113,14 @@ def adopt(prep: Prepared, run_dir: Path) -> None:
         if ds is not None:
             ds.files = [str(run_dir / Path(f).relative_to(prep.staging)) if Path(f).is_relative_to(prep.staging)
                         else f for f in ds.files]
-    shutil.rmtree(prep.staging, ignore_errors=True)
-    prep.staging = None
+    discard(prep)
+
+
+def discard(prep: Prepared) -> None:
+    """Remove what `prepare` staged outside the run directory (a start that ends before `adopt`)."""
+    if prep.staging is not None:
+        shutil.rmtree(prep.staging, ignore_errors=True)
+        prep.staging = None
 
 
 def create_states(cfg: Config, b: Build, start_dir: Path, seed: int) -> PPOState:

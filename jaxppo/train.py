@@ -122,7 +122,6 @@ def plan_only(cfg, plan_json: str | None = None) -> int:
     (saying what to change); no rollout engine, no states, no run directory. `plan_json`: the plan as JSON too
     (what a training process reads from the child that planned for it, `jaxppo.memory.plan_in_child`)."""
     import json
-    import shutil
 
     from jaxppo import start
 
@@ -131,8 +130,7 @@ def plan_only(cfg, plan_json: str | None = None) -> int:
     except JaxppoError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if prep.staging is not None:
-        shutil.rmtree(prep.staging, ignore_errors=True)
+    start.discard(prep)
     if plan_json:
         Path(plan_json).write_text(json.dumps(prep.plan.summary()))
     print(prep.plan.table())

@@ -81,11 +81,15 @@ class PPOTrainer:
         # the memory plan first, from abstract states (jaxppo/start.py): a run that cannot fit stops here
         prep = start.prepare(cfg)
         self.plan, self.mesh, self.sampler, self.total_steps = prep.plan, prep.mesh, prep.sampler, prep.total_steps
-        self.run_dir = make_run_dir(cfg)
-        # one process trains in a run directory (process 0 for all of a multi-process run): before anything in it
-        # is read or written
-        self._run_lock = lock_run_dir(self.run_dir) if self.main else None
-        start.adopt(prep, self.run_dir)
+        try:
+            self.run_dir = make_run_dir(cfg)
+            # one process trains in a run directory (process 0 for all of a multi-process run): before anything in
+            # it is read or written
+            self._run_lock = lock_run_dir(self.run_dir) if self.main else None
+            start.adopt(prep, self.run_dir)
+        except BaseException:  # a directory refused or held by another run: nothing staged is left behind
+            start.discard(prep)
+            raise
         self.tokenizer, self.tokenizer_dir, self.train_ds = prep.tokenizer, prep.tokenizer_dir, prep.train_ds
         self.model_dir = prepare_model_dir(cfg, self.run_dir, self.tokenizer)
         b = prep.build

@@ -124,6 +124,9 @@ def test_a_daemon_that_does_not_answer_quit_is_named_with_the_command_to_stop_it
             f"`echo quit | CUDA_MPS_PIPE_DIRECTORY={where} ") in proc.stderr
     assert "Traceback" not in proc.stderr
     assert Path(where).is_dir()
+    import shutil
+
+    shutil.rmtree(where)  # kept for a daemon that may still run; here there is none
 
 
 def test_a_trainer_built_without_the_daemon_is_refused(monkeypatch):

@@ -251,7 +251,15 @@ def _parquet_with_source(src: Path, dst: Path, source: str) -> Path:
     return dst
 
 
-def test_setup_errors_exit_2_with_one_line(base_run, tiny_qwen, tokenizer_dir, tmp_path, capsys, one_device):
+def test_setup_errors_exit_2_with_one_line(base_run, tiny_qwen, tokenizer_dir, tmp_path, capsys, one_device,
+                                          monkeypatch):
+    """...and nothing is left behind elsewhere either: the data and tokenizer a start stages in the system's
+    temporary directory before its run directory exists are removed when the start ends there."""
+    import tempfile
+
+    staging = tmp_path / "system_tmp"
+    staging.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staging))
     a_file = tmp_path / "not_a_dir"
     a_file.write_text("x")
     data = base_run / "data" / "train.parquet"
@@ -274,6 +282,7 @@ def test_setup_errors_exit_2_with_one_line(base_run, tiny_qwen, tokenizer_dir, t
         if not makes_dir:
             assert not run.exists()
         assert not (run / "config.yaml").exists()  # written only once setup succeeded
+        assert list(staging.iterdir()) == [], (overrides, list(staging.iterdir()))
 
 
 def test_an_unknown_data_source_is_scored_by_the_default_rule_when_one_is_named(base_run, tmp_path):
