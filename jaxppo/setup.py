@@ -205,7 +205,8 @@ def prepare_model_dir(cfg: Config, run_dir: Path, tokenizer) -> Path:
         else:
             module = build_model(mcfg)
             params = init_params(module, jax.random.PRNGKey(cfg.trainer.seed))
-            save_hf_checkpoint(params, mcfg, out)
+            # to the host at once: the export then slices the layers there, not in a program per tensor shape
+            save_hf_checkpoint(jax.device_get(params), mcfg, out)
     barrier("jaxppo-init-model")
     return out
 

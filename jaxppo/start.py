@@ -138,9 +138,12 @@ def create_states(cfg: Config, b: Build, start_dir: Path, seed: int) -> PPOState
         # stored in the compute dtype: its forward pass casts every weight to it anyway, so its log-probs are
         # bit-identical to those of an fp32 copy at half (bf16) the memory (a copy either way: the actor's buffers
         # are donated to its updates)
+        # (one program for the whole tree, each output in its parameter's sharding; a copy, never the input's
+        # buffer forwarded: copy_p has no forwarding rule)
         compute = DTYPES[cfg.model.dtype]
-        ref_params = jax.tree.map(lambda p: p.astype(compute) if p.dtype != compute else jnp.copy(p),
-                                  actor_state.params)
+        ref_params = jax.jit(
+            lambda ps: jax.tree.map(lambda p: p.astype(compute) if p.dtype != compute else jnp.copy(p), ps),
+            out_shardings=jax.tree.map(lambda p: p.sharding, actor_state.params))(actor_state.params)
     critic_state = None
     if b.critic is not None:
         _, critic_params, _ = load_model(cfg.model.critic_path or start_dir, "value", rng=jax.random.PRNGKey(seed + 1),

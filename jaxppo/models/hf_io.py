@@ -143,14 +143,27 @@ def _fresh(a: jax.Array, dtype: Any) -> jax.Array:
     return a.astype(dtype) if dtype is not None and a.dtype != dtype else a + jnp.zeros((), a.dtype)
 
 
-_export_layer = jax.jit(lambda x, i, dtype: _fresh(x[i], dtype), static_argnums=2)
-_export = jax.jit(_fresh, static_argnums=1)
+_export_layer_on_device = jax.jit(lambda x, i, dtype: _fresh(x[i], dtype), static_argnums=2)
+_export_on_device = jax.jit(_fresh, static_argnums=1)
+
+
+def _export_layer(x: Any, i: int, dtype: Any) -> Any:
+    if isinstance(x, np.ndarray):  # parameters already on the host (a model saved as it was made): no program
+        return x[i].astype(dtype or x.dtype)
+    return _export_layer_on_device(x, i, dtype)
+
+
+def _export(x: Any, dtype: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return x.astype(dtype or x.dtype)  # a copy, as on the device
+    return _export_on_device(x, dtype)
 
 
 def export_hf_arrays(params: Params, dtype: Any = None, group_bytes: int | None = None
                      ) -> Iterator[tuple[str, jax.Array]]:
     """(HF name, fresh JAX array) per tensor for a rollout engine: stacked layers sliced one layer at a
     time and cast on device. Never a buffer of the train state itself (the next update donates those).
+    Parameters given as numpy arrays (already on the host) are sliced and cast there, into numpy arrays.
 
     Tensors are dispatched in groups of at most `group_bytes` (default: the largest single tensor) and
     each group is waited for once, so the consumer never waits per tensor while the extra memory held
