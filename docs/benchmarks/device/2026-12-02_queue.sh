@@ -22,6 +22,9 @@ queue() {
   # awake*: synchronous with vLLM kept awake between generations (rollout.free_cache_engine=false): JAX's region
   # is preallocated at start and vLLM's share is the rest, so its sleep frees memory nothing else takes
   local B="$PY scripts/bench_ppo_step.py --ledger $Q/results.jsonl"
+  # *_base: the job at an older commit in the same call (the baseline when code under a figure changed): the
+  # commit's tree, `git archive --prefix=base/ --add-virtual-file=base/.commit:<commit> <commit> | gzip > .base.tgz`,
+  # carried to the machine and unpacked at start into /tmp/base; standalone vLLM is not run again
   # sampling05*: standalone vLLM, the ways of asking for samples side by side on one engine (a seed per request
   # against one seed for the call; log-probs as dicts, flat, none), then one call without log-probs (the loop's way
   # on 7 steps of 8) and one with (every step under a rollout correction) under cProfile: vLLM's host functions by time;
@@ -71,6 +74,7 @@ queue() {
   local MPS_OFF="; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
+sync05_base|cd /tmp/base && JAXPPO_COMMIT=\$(cat /tmp/base/.commit) $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/sync05_base.json --workdir $Q/w/sync05_base
 critic05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/critic05.json --workdir $Q/w/critic05 trainer.rollout_during_critic_update=true
 critic05_helper|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/critic05_helper.json --workdir $Q/w/critic05_helper trainer.rollout_during_critic_update=true rollout.engine_in_trainer=false
 critic15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/critic15.json --workdir $Q/w/critic15 trainer.rollout_during_critic_update=true
@@ -164,6 +168,10 @@ if [ "$mode" = start ]; then
   : "${JAXPPO_COMMIT:?set JAXPPO_COMMIT to the commit under test}"
   rm -rf $Q && mkdir -p $Q/w && touch $Q/summary.log
   mkdir -p /tmp/whl && $PY -m pip install -q --no-index --no-deps --upgrade --target /tmp/whl .whl/*.whl
+  if [ -f .base.tgz ]; then  # a baseline tree for the *_base jobs
+    rm -rf /tmp/base && tar xzf .base.tgz -C /tmp
+    echo "baseline tree: $(cat /tmp/base/.commit)"
+  fi
   export JAXPPO_COMMIT PYTHONPATH=/tmp/site:/tmp/whl:. PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
