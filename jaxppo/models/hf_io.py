@@ -229,7 +229,8 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: str | Path, *,
     would give it (the temporary one is private).
     """
     out_dir = Path(out_dir)
-    if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
+    # (numpy parameters, already on this host, are whole here)
+    if jax.process_count() > 1 and not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
         return _save_multiprocess(params, cfg, out_dir, head=head, dtype=dtype, max_shard_bytes=max_shard_bytes)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
