@@ -2,7 +2,7 @@
 
 A corrupt newest checkpoint: resume walks back to the newest that restores and later saves replace the bad ones.
 A run directory reused with another model: exit 2 naming the mismatch, its config.yaml as it was. metrics.jsonl
-holds each step once after a resume. Export never deletes what it did not write. Setup errors are one line with
+holds each step once after a resume (a line a kill cut is dropped). Export never deletes what it did not write. Setup errors are one line with
 exit 2. A full disk during a save names the cause."""
 
 from __future__ import annotations
@@ -376,3 +376,28 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_left_as_it_was
     assert f"pid {os.getpid()} on" in (run / RUN_LOCK).read_text()
     again.close()
     mine.close()
+
+
+def test_a_metrics_line_cut_by_a_kill_is_dropped_when_the_run_resumes(tmp_path):
+    """A SIGKILL can cut the line being written (CI saw a 2.8 kB record end after 2811 characters). Resuming from the
+    step-2 checkpoint keeps the whole records up to step 2 and drops the cut one; the test helpers read a killed run's
+    records without the cut line and refuse it anywhere else."""
+    from jaxppo.metrics import JsonlSink
+    from jaxppo.setup import truncate_metrics
+    from tests.train_helpers import logged_step
+
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step in range(4):
+        sink.log(step, {"a": float(step)})
+    sink.close()
+    path.write_text(path.read_text() + json.dumps({"step": 4, "a": 4.0})[:12])
+    assert logged_step(tmp_path, 3) and not logged_step(tmp_path, 4)
+    assert [r["step"] for r in all_records(tmp_path, killed=True)] == [0, 1, 2, 3]
+    with pytest.raises(AssertionError, match="partial line"):
+        all_records(tmp_path)
+    truncate_metrics(path, 2)
+    sink = JsonlSink(path)
+    sink.log(3, {"a": 3.5})
+    sink.close()
+    assert [(r["step"], r["a"]) for r in all_records(tmp_path)] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.5)]

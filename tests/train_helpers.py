@@ -256,14 +256,28 @@ def wait_until(ready, proc: subprocess.Popen, what: str, timeout: float = 300) -
         time.sleep(0.05)
 
 
+def _metrics_lines(run_dir: Path) -> tuple[list[str], str]:
+    """A run's metrics.jsonl as (its complete lines, what follows the last newline). The rest is a line being written,
+    or one a SIGKILL cut: Linux stops a write at a page boundary when a fatal signal is pending, so a kill can leave
+    part of a line (seen in CI: a 2.8 kB record cut after its 2811th character). The trainer drops such a line when
+    it resumes (`setup.truncate_metrics`)."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    *lines, rest = text.split("\n")
+    return [line for line in lines if line], rest
+
+
 def logged_step(run_dir: Path, step: int) -> bool:
+    """Whether the run has written step `step`'s record whole."""
     path = Path(run_dir) / "metrics.jsonl"
-    return path.is_file() and f'"step": {step}' in path.read_text()
+    return path.is_file() and any(json.loads(line)["step"] == step for line in _metrics_lines(run_dir)[0])
 
 
-def all_records(run_dir: Path) -> list[dict]:
-    """Every metrics record in the order written (a resumed run appends after the interrupted one)."""
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+def all_records(run_dir: Path, killed: bool = False) -> list[dict]:
+    """Every metrics record in the order written (a resumed run appends after the interrupted one). `killed`: the run
+    was killed and not resumed since, so its last line may be cut short (left out); otherwise every line is whole."""
+    lines, rest = _metrics_lines(run_dir)
+    assert killed or not rest, f"metrics.jsonl ends in a partial line: {rest[:80]!r}"
+    return [json.loads(line) for line in lines]
 
 
 def comparable(rec: dict) -> dict:
