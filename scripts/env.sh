@@ -32,9 +32,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
-# Byte code: pip installs without compiling (--no-compile above: pip compiles every module of every package, ~100 s of
-# a fresh install on 2 cores); a module is compiled when a process first imports it and kept under the environment,
-# also where PYTHONDONTWRITEBYTECODE is set (there every process would compile its imports again: jax, torch and
-# transformers are ~14 s of CPU a process without their .pyc against ~10 s with them, 2-core AMD EPYC, 2026-12-06)
+# Byte code: pip installs without compiling (--no-compile above: a fresh install 205 s with pip compiling every module
+# of every package, 104 s without, 2 cores); a module is compiled when a process first imports it and kept under the
+# environment, also where PYTHONDONTWRITEBYTECODE is set (there every process would compile its imports again: the
+# tests' fork-server imports take 26 s of CPU compiling and 9 s after; docs/benchmarks/ci_time_2026-12-06)
 export PYTHONPYCACHEPREFIX="$VENV/pycache"
 unset PYTHONDONTWRITEBYTECODE
