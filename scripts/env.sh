@@ -32,9 +32,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
-# Byte code: pip installs without compiling (--no-compile above: a fresh install 205 s with pip compiling every module
-# of every package, 104 s without, 2 cores); a module is compiled when a process first imports it and kept under the
-# environment, also where PYTHONDONTWRITEBYTECODE is set (there every process would compile its imports again: the
-# tests' fork-server imports take 26 s of CPU compiling and 9 s after; docs/benchmarks/ci_time_2026-12-06)
+# Byte code: pip installs without compiling (--no-compile above: a fresh install 191.7 s with pip compiling every
+# module of every package, 107.4 s without, 2 cores); a module is compiled when a process first imports it and kept
+# under the environment, also where PYTHONDONTWRITEBYTECODE is set (there every process would compile its imports
+# again: the tests' fork-server imports take 29.1 s the first time, compiling, and 9.6 s after;
+# docs/benchmarks/ci_time_2026-12-06/install_cost.sh)
 export PYTHONPYCACHEPREFIX="$VENV/pycache"
 unset PYTHONDONTWRITEBYTECODE

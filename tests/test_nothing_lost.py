@@ -1,9 +1,9 @@
 """Nothing a user has written is lost, and nothing fails silently (issue: a hostile user's pass).
 
-A corrupt newest checkpoint: resume walks back to the newest that restores and later saves replace the bad ones.
-A run directory reused with another model: exit 2 naming the mismatch, its config.yaml as it was. metrics.jsonl
-holds each step once after a resume (a line a kill cut is dropped). Export never deletes what it did not write. Setup errors are one line with
-exit 2. A full disk during a save names the cause."""
+A corrupt newest checkpoint: resume walks back to the newest that restores and later saves replace the bad ones. A
+run directory reused with another model: exit 2 naming the mismatch, its config.yaml as it was. metrics.jsonl holds
+each step once after a resume (a line a kill cut is dropped). Export never deletes what it did not write. Setup
+errors are one line with exit 2. A full disk during a save names the cause."""
 
 from __future__ import annotations
 
@@ -379,7 +379,7 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_left_as_it_was
 
 
 def test_a_metrics_line_cut_by_a_kill_is_dropped_when_the_run_resumes(tmp_path):
-    """A SIGKILL can cut the line being written (CI saw a 2.8 kB record end after 2811 characters). Resuming from the
+    """A SIGKILL can cut the line being written (CI saw a record end after its 2811th character). Resuming from the
     step-2 checkpoint keeps the whole records up to step 2 and drops the cut one; the test helpers read a killed run's
     records without the cut line and refuse it anywhere else."""
     from jaxppo.metrics import JsonlSink

@@ -82,8 +82,7 @@ def start_train(run_dir: Path, *overrides: str, optimized: bool = False, stdout=
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """step -> metrics, the last record of each step winning (a resumed run repeats steps)."""
     out = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in all_records(run_dir):
         out.setdefault(rec["step"], {}).update(rec)
     return out
 
@@ -258,8 +257,8 @@ def wait_until(ready, proc: subprocess.Popen, what: str, timeout: float = 300) -
 
 def _metrics_lines(run_dir: Path) -> tuple[list[str], str]:
     """A run's metrics.jsonl as (its complete lines, what follows the last newline). The rest is a line being written,
-    or one a SIGKILL cut: Linux stops a write at a page boundary when a fatal signal is pending, so a kill can leave
-    part of a line (seen in CI: a 2.8 kB record cut after its 2811th character). The trainer drops such a line when
+    or one a SIGKILL cut: Linux can stop a write at a page boundary when a fatal signal is pending, so a kill can
+    leave part of a line (seen in CI: a record cut after its 2811th character). The trainer drops such a line when
     it resumes (`setup.truncate_metrics`)."""
     text = (Path(run_dir) / "metrics.jsonl").read_text()
     *lines, rest = text.split("\n")
