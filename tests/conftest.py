@@ -4,8 +4,8 @@ import os
 
 from tests.train_helpers import FAST_COMPILE  # standard library only: nothing here has loaded jax yet
 
-# LLVM's lowest optimisation level and the older fusion emitters for XLA's CPU code: less compiling for the suite (tests/train_helpers.py's
-# FAST_COMPILE says what was measured; the learning runs compile as a user's run does)
+# LLVM's lowest optimisation level and the older fusion emitters for XLA's CPU code: less compiling for the suite
+# (tests/train_helpers.py's FAST_COMPILE says what was measured; the learning runs compile as a user's run does)
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
