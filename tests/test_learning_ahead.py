@@ -1,7 +1,11 @@
 """The embedded default learns with rollouts one step ahead (`trainer.async_rollout=true`, jaxppo/ahead.py): each
 batch sampled by the weights of the step before, the PPO ratio taken against the sampling policy (verl's bypass
-mode, what one step ahead implies when the config names no rollout correction). A file of its own, so that the two
-test workers run it beside tests/test_learning.py's synchronous run."""
+mode, what one step ahead implies when the config names no rollout correction). Extended runs
+(`JAXPPO_TEST_EXTENDED=1 bash scripts/test.sh tests/test_learning_ahead.py`): the 40-step run took 300-317 s of CI's
+2-core suite (2026-12-06, a sixth of its test-seconds) and kept CI over 30 minutes. What CI keeps of the path:
+tests/test_ahead.py (with the lag removed the ahead path trains step for step as the synchronous step; a stale batch
+is generated again by a run resumed on-policy), tests/test_operability.py (stopped and resumed exactly with a batch
+in flight), tests/test_bench_scripts.py (`compare_modes.py`)."""
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ from tests.train_helpers import ROOT, learns
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(1500)
 def test_default_learns_one_step_ahead(tmp_path_factory):
     """Seen (docs/benchmarks/learning/cpu_async_vs_sync_2026-12-02, AMD EPYC with AVX-512, five seeds, bypass mode):
