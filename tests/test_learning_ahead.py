@@ -2,7 +2,7 @@
 batch sampled by the weights of the step before, the PPO ratio taken against the sampling policy (verl's bypass
 mode, what one step ahead implies when the config names no rollout correction). Extended runs
 (`JAXPPO_TEST_EXTENDED=1 bash scripts/test.sh tests/test_learning_ahead.py`): the 40-step run took 300-317 s of CI's
-2-core suite (2026-12-06, a sixth of its test-seconds) and kept CI over 30 minutes. What CI keeps of the path:
+2-core suite (2026-12-06, about a tenth of its test-seconds) and kept CI over 30 minutes. What CI keeps of the path:
 tests/test_ahead.py (with the lag removed the ahead path trains step for step as the synchronous step; a stale batch
 is generated again by a run resumed on-policy), tests/test_operability.py (stopped and resumed exactly with a batch
 in flight), tests/test_bench_scripts.py (`compare_modes.py`)."""
