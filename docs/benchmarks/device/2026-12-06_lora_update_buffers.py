@@ -1,0 +1,106 @@
+"""What the LoRA actor update holds beside its states, buffer by buffer (a compile only: nothing is allocated).
+
+On one H100 the committed 7B LoRA config's update probes (2026-12-06,
+raw/ppo_step/*_check10_qwen2.5-7b-lora_20b9162.log) rose ~5.9 GiB per 1024 tokens from ~12.9 GiB at none (1024
+tokens: 18.76 GiB, 2048: 24.56, 4096: 36.52), where the forward program has 0.6 GiB at none: a fixed ~13 GiB, about
+the size of the layers' bf16 weights (12.2 GiB). This
+compiles the same update (the model, LoRA and remat of configs/gsm8k_qwen2.5_7b_lora.yaml, random-weight shapes,
+padded rows) at two token counts, prints XLA's temporaries and their fixed part, and lists the largest values of
+XLA's buffer assignment beside the arguments (from XLA's dump of the larger compile). From the repo root:
+
+    python docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out DIR [--tokens 1024,2048]
+
+On CPU the program is XLA's CPU one (its bf16 products go through float32 copies), so only a GPU's figures answer the
+question; a CPU run checks the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def largest_values(text: str, top: int) -> list[tuple[int, str]]:
+    """(size, "name: shape") of the `top` largest values of an XLA buffer-assignment dump that are not the program's
+    arguments (the temporaries and outputs: what the program adds beside its states)."""
+    found = re.findall(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)", text)
+    seen, out = set(), []
+    for name, size, shape in sorted(found, key=lambda v: -int(v[1])):
+        if name.startswith("args_") or name in seen:
+            continue
+        seen.add(name)
+        out.append((int(size), f"{name}: {shape}"))
+    return out[:top]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen2.5-7b")
+    p.add_argument("--out", required=True, help="XLA's dump and the summary go here")
+    p.add_argument("--tokens", default="1024,2048", help="two token counts per micro-batch (rows of --seq tokens)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--lora", type=int, default=64)
+    p.add_argument("--remat", default="dots_attn")
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={out / 'dump'}"
+                               " --xla_dump_hlo_module_re=.*actor_update.*").strip()
+    sys.path.insert(0, str(ROOT))
+    import jax
+    import jax.numpy as jnp
+
+    from jaxppo.config import ActorConfig, OptimConfig
+    from jaxppo.engine import ActorEngine
+    from jaxppo.models import abstract_params, build_model
+    from jaxppo.models.lora import LoraSpec, is_adapter
+    from jaxppo.sharding import make_mesh, param_shardings
+    from scripts.bench_update import synthetic_batch
+    from scripts.shapes import SHAPES
+
+    cfg = SHAPES[args.shape]
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    impl = "cudnn" if jax.default_backend() == "gpu" else None
+    module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat=args.remat, attention_impl=impl,
+                         scan_unroll=0, lora=LoraSpec(args.lora, 2.0 * args.lora))
+    import flax.linen as nn
+
+    ab = abstract_params(module)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(ab),
+                          param_shardings(ab, mesh))
+    layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)
+                 if x.ndim == 3 and x.shape[0] == cfg.num_hidden_layers)
+    temps = {}
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        rows = tokens // args.seq
+        acfg = ActorConfig(ppo_micro_batch_size_per_device=rows, logprob_chunk_size=args.chunk,
+                           optim=OptimConfig(lr=1e-6))
+        engine = ActorEngine(module, mesh, acfg, args.seq // 2, trainable=is_adapter)
+        state, frozen = engine.abstract_state(params)
+        batch = engine.shard_batch(synthetic_batch(cfg, rows, args.seq, args.seq // 2))
+        mem = engine.compile_update(state, batch, frozen)
+        temps[tokens] = mem.temps
+        print(f"{args.shape} LoRA r={args.lora} remat={args.remat}, {tokens} tokens ({rows} x {args.seq}): temporaries "
+              f"{mem.temps / 2**30:.2f} GiB, arguments {mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
+              flush=True)
+    (a, ta), (b, tb) = sorted(temps.items())[:2]
+    slope = (tb - ta) / (b - a)
+    print(f"fixed part of the temporaries: {(ta - slope * a) / 2**30:.2f} GiB; per 1024 tokens "
+          f"{slope * 1024 / 2**30:.2f} GiB; the layers' stacked weights as stored: {layers / 2**30:.2f} GiB")
+    dumps = sorted((out / "dump").glob("*buffer-assignment.txt"), key=lambda f: f.stat().st_size)
+    if dumps:
+        print(f"largest values beside the arguments, {dumps[-1].name}:")
+        for size, what in largest_values(dumps[-1].read_text(), args.top):
+            print(f"  {size / 2**30:7.2f} GiB  {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
