@@ -48,6 +48,9 @@ def main(argv=None) -> int:
     p.add_argument("--remat", default="dots_attn")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--unroll", type=int, default=0, help="model.scan_unroll (0: every layer unrolled, as committed)")
+    p.add_argument("--ledger", default=None, help="append an `update_memory` row to this ledger (scripts/ledger.py)")
+    p.add_argument("--dtype", default="bfloat16", help="compute and base dtype (float32: no bf16 conversions on CPU)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,8 +71,9 @@ def main(argv=None) -> int:
     cfg = SHAPES[args.shape]
     mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
     impl = "cudnn" if jax.default_backend() == "gpu" else None
-    module = build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat=args.remat, attention_impl=impl,
-                         scan_unroll=0, lora=LoraSpec(args.lora, 2.0 * args.lora))
+    dtype = jnp.dtype(args.dtype)
+    module = build_model(cfg, dtype=dtype, param_dtype=dtype, remat=args.remat, attention_impl=impl,
+                         scan_unroll=args.unroll, lora=LoraSpec(args.lora, 2.0 * args.lora))
     import flax.linen as nn
 
     ab = abstract_params(module)
@@ -87,7 +91,7 @@ def main(argv=None) -> int:
         batch = engine.shard_batch(synthetic_batch(cfg, rows, args.seq, args.seq // 2))
         mem = engine.compile_update(state, batch, frozen)
         temps[tokens] = mem.temps
-        print(f"{args.shape} LoRA r={args.lora} remat={args.remat}, {tokens} tokens ({rows} x {args.seq}): temporaries "
+        print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll}, {tokens} tokens ({rows} x {args.seq}): temporaries "
               f"{mem.temps / 2**30:.2f} GiB, arguments {mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
               flush=True)
     (a, ta), (b, tb) = sorted(temps.items())[:2]
@@ -95,10 +99,20 @@ def main(argv=None) -> int:
     print(f"fixed part of the temporaries: {(ta - slope * a) / 2**30:.2f} GiB; per 1024 tokens "
           f"{slope * 1024 / 2**30:.2f} GiB; the layers' stacked weights as stored: {layers / 2**30:.2f} GiB")
     dumps = sorted((out / "dump").glob("*buffer-assignment.txt"), key=lambda f: f.stat().st_size)
-    if dumps:
+    largest = largest_values(dumps[-1].read_text(), args.top) if dumps else []
+    if largest:
         print(f"largest values beside the arguments, {dumps[-1].name}:")
-        for size, what in largest_values(dumps[-1].read_text(), args.top):
+        for size, what in largest:
             print(f"  {size / 2**30:7.2f} GiB  {what}")
+    if args.ledger:
+        from scripts import ledger
+
+        gib = 2**30
+        figures = {"shape": args.shape, "lora_rank": args.lora, "remat": args.remat, "scan_unroll": args.unroll,
+                   "dtype": args.dtype, "temps_gb": {str(k): v / gib for k, v in sorted(temps.items())},
+                   "fixed_gb": (ta - slope * a) / gib, "per_1024_tokens_gb": slope * 1024 / gib,
+                   "layer_weights_gb": layers / gib, "largest_values": [[s / gib, w] for s, w in largest[:8]]}
+        ledger.append(ledger.make_row("update_memory", figures), args.ledger)
     return 0
 
 
