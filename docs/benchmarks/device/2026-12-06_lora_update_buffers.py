@@ -92,7 +92,8 @@ def main(argv=None) -> int:
         mem = engine.compile_update(state, batch, frozen)
         temps[tokens] = mem.temps
         print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll}, {tokens} tokens "
-              f"({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, arguments {mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
+              f"({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, arguments "
+              f"{mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
               flush=True)
     (a, ta), (b, tb) = sorted(temps.items())[:2]
     slope = (tb - ta) / (b - a)
