@@ -51,7 +51,8 @@ queue() {
   # lora7b_buffers: the 7B LoRA update compiled at 1024 and 2048 tokens (no allocation), every layer unrolled (as
   # committed) then 4 layers per loop iteration: the fixed part of its temporaries (~13 GiB in the H100 plan's
   # probes; on CPU the unrolled update holds a copy of every layer's weights, a loop none) and the largest values
-  # of XLA's buffer assignment; lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
+  # of XLA's buffer assignment; lora7b_buffers_dsf: unrolled, with XLA's dynamic-slice fusion (GEMMs reading their
+  # operands in place from the stacked weights, off by default), whether that drops the copy; lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (the plan then fits a larger update budget; the loop costs ~8 % at a fixed budget,
   # 1.5B on an H200, 2026-11-30)
   # lora7b_ahead_inproc: the committed 7B LoRA one-step-ahead config with the engine in the trainer's process (one CUDA
@@ -114,6 +115,7 @@ awake15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps
 ppo7b_offload|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload.json --workdir $Q/w/ppo7b
 grpo7b|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b.json --workdir $Q/w/grpo7b
 lora7b_buffers|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl && rm -rf /tmp/lora7b_buffers && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --unroll 4 --ledger $Q/results.jsonl
+lora7b_buffers_dsf|XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_dsf --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl
 lora7b_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_unroll4.json --workdir $Q/w/lora7b_unroll4 model.scan_unroll=4
 lora7b_bypass_awake_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake_unroll4.json --workdir $Q/w/lora7b_bypass_awake_unroll4 algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false model.scan_unroll=4
 grpo7b_unroll4|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b_unroll4.json --workdir $Q/w/grpo7b_unroll4 model.scan_unroll=4
