@@ -111,7 +111,8 @@ def main(argv=None) -> int:
 
         gib = 2**30
         figures = {"shape": args.shape, "lora_rank": args.lora, "remat": args.remat, "scan_unroll": args.unroll,
-                   "dtype": args.dtype, "xla_flags": user_flags, "temps_gb": {str(k): v / gib for k, v in sorted(temps.items())},
+                   "dtype": args.dtype, "xla_flags": user_flags,
+                   "temps_gb": {str(k): v / gib for k, v in sorted(temps.items())},
                    "fixed_gb": (ta - slope * a) / gib, "per_1024_tokens_gb": slope * 1024 / gib,
                    "layer_weights_gb": layers / gib, "largest_values": [[s / gib, w] for s, w in largest[:8]]}
         ledger.append(ledger.make_row("update_memory", figures), args.ledger)
