@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--unroll", type=int, default=0, help="model.scan_unroll (0: every layer unrolled, as committed)")
     p.add_argument("--ledger", default=None, help="append an `update_memory` row to this ledger (scripts/ledger.py)")
+    p.add_argument("--prevent-cse", action="store_true",
+                   help="the layers' remat with prevent_cse=True (the model's is False: an experiment)")
     p.add_argument("--dtype", default="bfloat16", help="compute and base dtype (float32: no bf16 conversions on CPU)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -73,6 +75,20 @@ def main(argv=None) -> int:
     mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
     impl = "cudnn" if jax.default_backend() == "gpu" else None
     dtype = jnp.dtype(args.dtype)
+    if args.prevent_cse:  # the model builds its remat with prevent_cse=False: this one call of nn.remat overrides it
+        import flax.linen as linen
+
+        from jaxppo.models import transformer
+
+        class _Remat:
+            def __getattr__(self, name):
+                return getattr(linen, name)
+
+            @staticmethod
+            def remat(block, prevent_cse=False, **kw):
+                return linen.remat(block, prevent_cse=True, **kw)
+
+        transformer.nn = _Remat()
     module = build_model(cfg, dtype=dtype, param_dtype=dtype, remat=args.remat, attention_impl=impl,
                          scan_unroll=args.unroll, lora=LoraSpec(args.lora, 2.0 * args.lora))
     import flax.linen as nn
@@ -92,7 +108,8 @@ def main(argv=None) -> int:
         batch = engine.shard_batch(synthetic_batch(cfg, rows, args.seq, args.seq // 2))
         mem = engine.compile_update(state, batch, frozen)
         temps[tokens] = mem.temps
-        print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll}, {tokens} tokens "
+        print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll} prevent_cse={args.prevent_cse}, "
+              f"{tokens} tokens "
               f"({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, arguments "
               f"{mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
               flush=True)
@@ -111,7 +128,8 @@ def main(argv=None) -> int:
 
         gib = 2**30
         figures = {"shape": args.shape, "lora_rank": args.lora, "remat": args.remat, "scan_unroll": args.unroll,
-                   "dtype": args.dtype, "xla_flags": user_flags,
+                   "dtype": args.dtype, "prevent_cse": args.prevent_cse,
+                   "xla_flags": user_flags,
                    "temps_gb": {str(k): v / gib for k, v in sorted(temps.items())},
                    "fixed_gb": (ta - slope * a) / gib, "per_1024_tokens_gb": slope * 1024 / gib,
                    "layer_weights_gb": layers / gib, "largest_values": [[s / gib, w] for s, w in largest[:8]]}
