@@ -108,8 +108,8 @@ def main(argv=None) -> int:
         batch = engine.shard_batch(synthetic_batch(cfg, rows, args.seq, args.seq // 2))
         mem = engine.compile_update(state, batch, frozen)
         temps[tokens] = mem.temps
-        print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll} prevent_cse={args.prevent_cse}, "
-              f"{tokens} tokens "
+        print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll} "
+              f"prevent_cse={args.prevent_cse}, {tokens} tokens "
               f"({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, arguments "
               f"{mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
               flush=True)
