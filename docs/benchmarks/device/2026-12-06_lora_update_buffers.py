@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     user_flags = os.environ.get("XLA_FLAGS", "").strip()  # recorded in the ledger row (the dump's are this script's)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={out / 'dump'}"
                                " --xla_dump_hlo_module_re=.*actor_update.*").strip()
+    os.environ.setdefault("JAXPPO_PROBE_WITHOUT_AUTOTUNE", "1")  # what the plan's child sets (jaxppo/programs.py)
     sys.path.insert(0, str(ROOT))
     import jax
     import jax.numpy as jnp
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
         engine = ActorEngine(module, mesh, acfg, args.seq // 2, trainable=is_adapter)
         state, frozen = engine.abstract_state(params)
         batch = engine.shard_batch(synthetic_batch(cfg, rows, args.seq, args.seq // 2))
-        mem = engine.compile_update(state, batch, frozen)
+        mem = engine.compile_update(state, batch, frozen, probe=True)  # on a GPU as the plan's probes compile
         temps[tokens] = mem.temps
         print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll} "
               f"prevent_cse={args.prevent_cse}, {tokens} tokens "
