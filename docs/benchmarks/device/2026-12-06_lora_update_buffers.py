@@ -116,14 +116,15 @@ def main(argv=None) -> int:
               flush=True)
     (a, ta), (b, tb) = sorted(temps.items())[:2]
     slope = (tb - ta) / (b - a)
-    print(f"fixed part of the temporaries: {(ta - slope * a) / 2**30:.2f} GiB; per 1024 tokens "
-          f"{slope * 1024 / 2**30:.2f} GiB; the layers' stacked weights as stored: {layers / 2**30:.2f} GiB")
     dumps = sorted((out / "dump").glob("*buffer-assignment.txt"), key=lambda f: f.stat().st_size)
     largest = largest_values(dumps[-1].read_text(), args.top) if dumps else []
     if largest:
         print(f"largest values beside the arguments, {dumps[-1].name}:")
         for size, what in largest:
             print(f"  {size / 2**30:7.2f} GiB  {what}")
+    # last, so that a log's tail shows it
+    print(f"fixed part of the temporaries: {(ta - slope * a) / 2**30:.2f} GiB; per 1024 tokens "
+          f"{slope * 1024 / 2**30:.2f} GiB; the layers' stacked weights as stored: {layers / 2**30:.2f} GiB")
     if args.ledger:
         from scripts import ledger
 
