@@ -64,40 +64,29 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
+    from jaxppo.build import abstract_of
     from jaxppo.config import ActorConfig, OptimConfig
     from jaxppo.engine import ActorEngine
-    from jaxppo.models import abstract_params, build_model
-    from jaxppo.models.lora import LoraSpec, is_adapter
-    from jaxppo.sharding import make_mesh, param_shardings
+    from jaxppo.models import build_model
+    from jaxppo.models.lora import LoraSpec, is_adapter, split
+    from jaxppo.sharding import make_mesh
     from scripts.bench_update import synthetic_batch
     from scripts.shapes import SHAPES
 
+    if args.prevent_cse:  # the model builds its layers' remat with prevent_cse=False (an experiment: True)
+        import flax.linen as nn
+
+        remat = nn.remat
+        nn.remat = lambda block, prevent_cse=False, **kw: remat(block, prevent_cse=True, **kw)
     cfg = SHAPES[args.shape]
     mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
     impl = "cudnn" if jax.default_backend() == "gpu" else None
     dtype = jnp.dtype(args.dtype)
-    if args.prevent_cse:  # the model builds its remat with prevent_cse=False: this one call of nn.remat overrides it
-        import flax.linen as linen
-
-        from jaxppo.models import transformer
-
-        class _Remat:
-            def __getattr__(self, name):
-                return getattr(linen, name)
-
-            @staticmethod
-            def remat(block, prevent_cse=False, **kw):
-                return linen.remat(block, prevent_cse=True, **kw)
-
-        transformer.nn = _Remat()
     module = build_model(cfg, dtype=dtype, param_dtype=dtype, remat=args.remat, attention_impl=impl,
                          scan_unroll=args.unroll, lora=LoraSpec(args.lora, 2.0 * args.lora))
-    import flax.linen as nn
-
-    ab = abstract_params(module)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(ab),
-                          param_shardings(ab, mesh))
-    layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)
+    params = abstract_of(module, mesh)
+    _, base = split(params, is_adapter)  # the frozen base: the layers' weights without their adapters
+    layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(base)
                  if x.ndim == 3 and x.shape[0] == cfg.num_hidden_layers)
     temps = {}
     for tokens in (int(t) for t in args.tokens.split(",")):
@@ -124,7 +113,7 @@ def main(argv=None) -> int:
             print(f"  {size / 2**30:7.2f} GiB  {what}")
     # last, so that a log's tail shows it
     print(f"fixed part of the temporaries: {(ta - slope * a) / 2**30:.2f} GiB; per 1024 tokens "
-          f"{slope * 1024 / 2**30:.2f} GiB; the layers' stacked weights as stored: {layers / 2**30:.2f} GiB")
+          f"{slope * 1024 / 2**30:.2f} GiB; the layers' stacked base weights: {layers / 2**30:.2f} GiB")
     if args.ledger:
         from scripts import ledger
 
