@@ -53,7 +53,8 @@ queue() {
   # probes; on CPU the unrolled update holds a copy of every layer's weights, a loop none) and the largest values
   # of XLA's buffer assignment; lora7b_buffers_dsf: unrolled, with XLA's dynamic-slice fusion (GEMMs reading their
   # operands in place from the stacked weights, off by default), whether that drops the copy; lora7b_buffers_cse:
-  # unrolled with the layers' remat under prevent_cse=True (on CPU: 5.48 instead of 6.37 GiB per 1024 tokens); lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
+  # unrolled with the layers' remat under prevent_cse=True (on CPU: 5.48 instead of 6.37 GiB per 1024 tokens);
+  # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (the plan then fits a larger update budget; the loop costs ~8 % at a fixed budget,
   # 1.5B on an H200, 2026-11-30)
   # lora7b_ahead_inproc: the committed 7B LoRA one-step-ahead config with the engine in the trainer's process (one CUDA
