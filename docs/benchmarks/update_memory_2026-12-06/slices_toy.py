@@ -10,6 +10,7 @@ weights [L, D, D] frozen, the gradient with respect to the input only, each laye
   tied     inside, and the slice tied to the layer's input by an optimisation barrier (it cannot be taken before
            the layer runs)
   scan     a layer loop (lax.scan)
+  unstacked  unrolled over weights held as L arrays of their own instead of one stacked [L, D, D]: no slice to take
 """
 
 import sys
@@ -55,9 +56,17 @@ def scan(W, x):
     return jnp.sum(jax.lax.scan(body, x, W)[0])
 
 
+def unstacked(Ws, x):
+    for w in Ws:
+        x = jax.checkpoint(layer, policy=POLICY, prevent_cse=False)(x, w)
+    return jnp.sum(x)
+
+
 W = jax.ShapeDtypeStruct((L, D, D), jnp.float32)
+Ws = tuple(jax.ShapeDtypeStruct((D, D), jnp.float32) for _ in range(L))
 x = jax.ShapeDtypeStruct((T, D), jnp.float32)
 print(f"L={L} D={D} T={T}: the weights {L * D * D * 4 / 2**20:.0f} MiB, one layer's {D * D * 4 / 2**20:.0f} MiB")
-for name, f in [("outside", outside), ("inside", inside), ("tied", tied), ("scan", scan)]:
-    compiled = jax.jit(jax.grad(f, argnums=1)).lower(W, x).compile()
-    print(f"{name:8s} temporaries {compiled.memory_analysis().temp_size_in_bytes / 2**20:.0f} MiB")
+for name, f, weights in [("outside", outside, W), ("inside", inside, W), ("tied", tied, W), ("scan", scan, W),
+                         ("unstacked", unstacked, Ws)]:
+    compiled = jax.jit(jax.grad(f, argnums=1)).lower(weights, x).compile()
+    print(f"{name:9s} temporaries {compiled.memory_analysis().temp_size_in_bytes / 2**20:.0f} MiB")
