@@ -28,7 +28,8 @@ SCORE_PATHS = (("score", "weight"), ("score", "bias"))
 
 def build_model(cfg: ModelConfig, head: str = "lm", *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                 remat: str = "none", attention_impl: str | None = None, score_bias: bool = True,
-                attention_window: int | None = None, scan_unroll: int = 1, lora: LoraSpec = LoraSpec()) -> nn.Module:
+                attention_window: int | None = None, scan_unroll: int = 1, lora: LoraSpec = LoraSpec(),
+                prevent_cse: bool = False) -> nn.Module:
     """The Flax module for `cfg`: `CausalLM` for head "lm", `ValueModel` for head "value".
     `attention_window`: the longest sequence the model will see; rows longer than that (packed) attend
     only that far back, which lets cuDNN skip blocks when attention goes through a mask
@@ -36,7 +37,7 @@ def build_model(cfg: ModelConfig, head: str = "lm", *, dtype: Any = jnp.float32,
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat {remat!r} unknown; known: {sorted(REMAT_POLICIES)}")
     kw = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention_impl=attention_impl,
-              attention_window=attention_window, scan_unroll=scan_unroll, lora=lora)
+              attention_window=attention_window, scan_unroll=scan_unroll, lora=lora, prevent_cse=prevent_cse)
     if head == "lm":
         return CausalLM(cfg, **kw)
     if head == "value":
@@ -52,7 +53,7 @@ def _dummy_inputs():
 def _init(module: nn.Module, rng: jax.Array) -> Any:
     # the same parameter tree from the rolled layer loop and XLA's attention: initialising runs the forward
     # pass once on a dummy batch, and compiling it with every layer unrolled (scan_unroll=0) took a minute at 0.5B
-    module = module.clone(scan_unroll=1, attention_impl=None)
+    module = module.clone(scan_unroll=1, attention_impl=None, prevent_cse=False)
     method = module.forward_logits if isinstance(module, CausalLM) else None  # creates the LM head too
     return module.init(rng, *_dummy_inputs(), method=method)["params"]
 
@@ -65,9 +66,9 @@ _ABSTRACT: dict[tuple, Any] = {}
 
 def abstract_params(module: nn.Module) -> Any:
     """Parameter tree of `nn.Partitioned` ShapeDtypeStructs (shapes + logical axis names), no memory used."""
-    # _init's clone sets scan_unroll and attention_impl: they do not change the parameters
+    # _init's clone sets scan_unroll, attention_impl and prevent_cse: they do not change the parameters
     key = (type(module), *((f.name, getattr(module, f.name)) for f in dataclasses.fields(module)
-                           if f.name not in ("parent", "name", "scan_unroll", "attention_impl")))
+                           if f.name not in ("parent", "name", "scan_unroll", "attention_impl", "prevent_cse")))
     if key not in _ABSTRACT:
         _ABSTRACT[key] = jax.eval_shape(lambda: _init(module, jax.random.PRNGKey(0)))
     return jax.tree.map(lambda x: x, _ABSTRACT[key])  # a tree of its own: the caller may edit its dicts

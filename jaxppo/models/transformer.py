@@ -306,13 +306,14 @@ class Decoder(nn.Module):
     attention_window: int | None = None
     scan_unroll: int = 1  # layers per iteration of the layer loop; 0: all (no loop at run time)
     lora: LoraSpec = LoraSpec()
+    prevent_cse: bool = False  # the layers' remat: keep the backward's recomputation apart from the forward
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size, self.dtype, self.param_dtype)
         block = DecoderLayer
         if self.remat != "none":
-            block = nn.remat(block, prevent_cse=False, policy=REMAT_POLICIES[self.remat])
+            block = nn.remat(block, prevent_cse=self.prevent_cse, policy=REMAT_POLICIES[self.remat])
         self.layers = nn.scan(
             block, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
@@ -355,10 +356,11 @@ class CausalLM(nn.Module):
     attention_window: int | None = None
     scan_unroll: int = 1
     lora: LoraSpec = LoraSpec()
+    prevent_cse: bool = False
 
     def setup(self):
         self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
-                             self.attention_window, self.scan_unroll, self.lora)
+                             self.attention_window, self.scan_unroll, self.lora, self.prevent_cse)
         if not self.cfg.tie_word_embeddings:
             self.lm_head = Linear(self.cfg.vocab_size, ("vocab", "embed"), dtype=self.dtype,
                                   param_dtype=self.param_dtype)
@@ -387,10 +389,11 @@ class ValueModel(nn.Module):
     attention_window: int | None = None
     scan_unroll: int = 1
     lora: LoraSpec = LoraSpec()
+    prevent_cse: bool = False
 
     def setup(self):
         self.model = Decoder(self.cfg, self.dtype, self.param_dtype, self.remat, self.attention_impl,
-                             self.attention_window, self.scan_unroll, self.lora)
+                             self.attention_window, self.scan_unroll, self.lora, self.prevent_cse)
         # under LoRA the head is trained in full while the base is frozen in the compute dtype: keep it float32
         score_dtype = wide(self.param_dtype) if self.lora.rank else self.param_dtype
         self.score = Linear(1, ("score", "embed"), self.score_bias, dtype=self.dtype, param_dtype=score_dtype)

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=0, help="model.scan_unroll (0: every layer unrolled, as committed)")
     p.add_argument("--ledger", default=None, help="append an `update_memory` row to this ledger (scripts/ledger.py)")
     p.add_argument("--prevent-cse", action="store_true",
-                   help="the layers' remat with prevent_cse=True (the model's is False: an experiment)")
+                   help="the layers' remat with prevent_cse=True (model.remat_prevent_cse; default False)")
     p.add_argument("--dtype", default="bfloat16", help="compute and base dtype (float32: no bf16 conversions on CPU)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -73,17 +73,13 @@ def main(argv=None) -> int:
     from scripts.bench_update import synthetic_batch
     from scripts.shapes import SHAPES
 
-    if args.prevent_cse:  # the model builds its layers' remat with prevent_cse=False (an experiment: True)
-        import flax.linen as nn
-
-        remat = nn.remat
-        nn.remat = lambda block, prevent_cse=False, **kw: remat(block, prevent_cse=True, **kw)
     cfg = SHAPES[args.shape]
     mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
     impl = "cudnn" if jax.default_backend() == "gpu" else None
     dtype = jnp.dtype(args.dtype)
     module = build_model(cfg, dtype=dtype, param_dtype=dtype, remat=args.remat, attention_impl=impl,
-                         scan_unroll=args.unroll, lora=LoraSpec(args.lora, 2.0 * args.lora))
+                         scan_unroll=args.unroll, lora=LoraSpec(args.lora, 2.0 * args.lora),
+                         prevent_cse=args.prevent_cse)
     params = abstract_of(module, mesh)
     _, base = split(params, is_adapter)  # the frozen base: the layers' weights without their adapters
     layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(base)
