@@ -95,7 +95,7 @@ def model_kwargs(cfg: Config) -> dict[str, Any]:
     return dict(dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype], remat=cfg.model.remat,
                 attention_impl=attention_impl(cfg),
                 attention_window=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                scan_unroll=cfg.model.scan_unroll, prevent_cse=cfg.model.remat_prevent_cse)
+                scan_unroll=cfg.model.scan_unroll)
 
 
 def with_lora(cfg: Config, spec: LoraSpec) -> dict[str, Any]:

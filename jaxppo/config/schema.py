@@ -48,10 +48,6 @@ class ModelConfig:
     # decoder layers per iteration of the layer loop; 0: all of them: no loop at run time, so no copies of
     # saved activations into per-layer stacks (1.5B update on an H200: 1.08x faster; compiles ~2x longer)
     scan_unroll: int = 1
-    # the layers' remat (jax.checkpoint) with prevent_cse: false lets XLA merge the backward's recomputation with the
-    # forward pass where no loop separates them (scan_unroll 0); true keeps them apart (an unrolled float32 update
-    # on CPU held 5.48 instead of 6.37 GiB per 1024 tokens: docs/benchmarks.md, "The unrolled layers' weights")
-    remat_prevent_cse: bool = False
     # embedded default model shape (when path is None)
     tiny_hidden_size: int = 128  # hidden size of the embedded default model
     tiny_num_layers: int = 2  # layers of the embedded default model

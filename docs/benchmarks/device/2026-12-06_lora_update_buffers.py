@@ -51,8 +51,13 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=0, help="model.scan_unroll (0: every layer unrolled, as committed)")
     p.add_argument("--ledger", default=None, help="append an `update_memory` row to this ledger (scripts/ledger.py)")
     p.add_argument("--prevent-cse", action="store_true",
-                   help="the layers' remat with prevent_cse=True (model.remat_prevent_cse; default False)")
+                   help="the layers' remat with prevent_cse=True (build_model's prevent_cse; the model's default False)")
     p.add_argument("--dtype", default="bfloat16", help="compute and base dtype (float32: no bf16 conversions on CPU)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per mini-batch, each of the token count (the update's scan over them, as the "
+                        "config's runs have: 64 sequences in micro-batches of 2048 tokens)")
+    p.add_argument("--keep-logits", action="store_true",
+                   help="actor.logprob_remat=false (the config's: each chunk's logits kept for the backward)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,14 +93,15 @@ def main(argv=None) -> int:
     for tokens in (int(t) for t in args.tokens.split(",")):
         rows = tokens // args.seq
         acfg = ActorConfig(ppo_micro_batch_size_per_device=rows, logprob_chunk_size=args.chunk,
-                           optim=OptimConfig(lr=1e-6))
+                           logprob_remat=not args.keep_logits, optim=OptimConfig(lr=1e-6))
         engine = ActorEngine(module, mesh, acfg, args.seq // 2, trainable=is_adapter)
         state, frozen = engine.abstract_state(params)
-        batch = engine.shard_batch(synthetic_batch(cfg, rows, args.seq, args.seq // 2))
+        batch = engine.shard_batch(synthetic_batch(cfg, rows * args.micro_batches, args.seq, args.seq // 2))
         mem = engine.compile_update(state, batch, frozen, probe=True)  # on a GPU as the plan's probes compile
         temps[tokens] = mem.temps
         print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll} "
-              f"prevent_cse={args.prevent_cse}, {tokens} tokens "
+              f"prevent_cse={args.prevent_cse} micro-batches={args.micro_batches} keep_logits={args.keep_logits}, "
+              f"{tokens} tokens "
               f"({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, arguments "
               f"{mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
               flush=True)
@@ -115,7 +121,8 @@ def main(argv=None) -> int:
 
         gib = 2**30
         figures = {"shape": args.shape, "lora_rank": args.lora, "remat": args.remat, "scan_unroll": args.unroll,
-                   "dtype": args.dtype, "prevent_cse": args.prevent_cse,
+                   "dtype": args.dtype, "prevent_cse": args.prevent_cse, "micro_batches": args.micro_batches,
+                   "keep_logits": args.keep_logits,
                    "xla_flags": user_flags,
                    "temps_gb": {str(k): v / gib for k, v in sorted(temps.items())},
                    "fixed_gb": (ta - slope * a) / gib, "per_1024_tokens_gb": slope * 1024 / gib,
