@@ -57,7 +57,9 @@ queue() {
   # (lora7b_cse, run at 45003fe: the 7B LoRA config with model.remat_prevent_cse=true, a key since removed: its
   # plan's probes were those without it.) lora7b_buffers_mb: the buffers job with four micro-batches per mini-batch
   # (the update's scan over them, as in the config's runs; one micro-batch held no copy of the weights on an H100),
-  # then with the config's kept logits too (actor.logprob_remat=false): which of the two holds the plan's ~13 GiB
+  # then with each micro-batch's loss reading the weights through a barrier tied to its micro-batch (--tie: the
+  # layers' slices neither shared between micro-batches nor hoisted out of the scan), then with the config's kept
+  # logits (actor.logprob_remat=false): which of them holds (or drops) the plan's ~13 GiB at no tokens
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (the plan then fits a larger update budget; the loop costs ~8 % at a fixed budget,
   # 1.5B on an H200, 2026-11-30)
@@ -123,7 +125,7 @@ grpo7b|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps
 lora7b_buffers|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl && rm -rf /tmp/lora7b_buffers && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --unroll 4 --ledger $Q/results.jsonl
 lora7b_buffers_dsf|XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_dsf --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl
 lora7b_buffers_cse|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_cse --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --prevent-cse --ledger $Q/results.jsonl
-lora7b_buffers_mb|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl && rm -rf /tmp/lora7b_buffers_mb && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --keep-logits --ledger $Q/results.jsonl
+lora7b_buffers_mb|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl && rm -rf /tmp/lora7b_buffers_mb && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl --tie && rm -rf /tmp/lora7b_buffers_mb && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl --keep-logits
 lora7b_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_unroll4.json --workdir $Q/w/lora7b_unroll4 model.scan_unroll=4
 lora7b_bypass_awake_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake_unroll4.json --workdir $Q/w/lora7b_bypass_awake_unroll4 algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false model.scan_unroll=4
 grpo7b_unroll4|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b_unroll4.json --workdir $Q/w/grpo7b_unroll4 model.scan_unroll=4

@@ -56,6 +56,10 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per mini-batch, each of the token count (the update's scan over them, as the "
                         "config's runs have: 64 sequences in micro-batches of 2048 tokens)")
+    p.add_argument("--tie", action="store_true",
+                   help="each micro-batch's loss reads the weights through an optimisation barrier tied to its "
+                        "micro-batch (an experiment: XLA can then neither take the layers' slices once for all "
+                        "micro-batches nor hoist them out of the scan)")
     p.add_argument("--keep-logits", action="store_true",
                    help="actor.logprob_remat=false (the config's: each chunk's logits kept for the backward)")
     args = p.parse_args(argv)
@@ -95,12 +99,21 @@ def main(argv=None) -> int:
         acfg = ActorConfig(ppo_micro_batch_size_per_device=rows, logprob_chunk_size=args.chunk,
                            logprob_remat=not args.keep_logits, optim=OptimConfig(lr=1e-6))
         engine = ActorEngine(module, mesh, acfg, args.seq // 2, trainable=is_adapter)
+        if args.tie:
+            loss = engine._loss
+
+            def tied(params, mb, num_tokens, num_seqs, extra=None, loss=loss):
+                (params, extra), mb = jax.lax.optimization_barrier(((params, extra), mb))
+                return loss(params, mb, num_tokens, num_seqs, extra)
+
+            engine._loss = tied
         state, frozen = engine.abstract_state(params)
         batch = engine.shard_batch(synthetic_batch(cfg, rows * args.micro_batches, args.seq, args.seq // 2))
         mem = engine.compile_update(state, batch, frozen, probe=True)  # on a GPU as the plan's probes compile
         temps[tokens] = mem.temps
         print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll} "
-              f"prevent_cse={args.prevent_cse} micro-batches={args.micro_batches} keep_logits={args.keep_logits}, "
+              f"prevent_cse={args.prevent_cse} micro-batches={args.micro_batches} keep_logits={args.keep_logits} "
+              f"tie={args.tie}, "
               f"{tokens} tokens "
               f"({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, arguments "
               f"{mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
@@ -122,7 +135,7 @@ def main(argv=None) -> int:
         gib = 2**30
         figures = {"shape": args.shape, "lora_rank": args.lora, "remat": args.remat, "scan_unroll": args.unroll,
                    "dtype": args.dtype, "prevent_cse": args.prevent_cse, "micro_batches": args.micro_batches,
-                   "keep_logits": args.keep_logits,
+                   "keep_logits": args.keep_logits, "tie": args.tie,
                    "xla_flags": user_flags,
                    "temps_gb": {str(k): v / gib for k, v in sorted(temps.items())},
                    "fixed_gb": (ta - slope * a) / gib, "per_1024_tokens_gb": slope * 1024 / gib,
