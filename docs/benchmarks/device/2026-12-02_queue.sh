@@ -166,6 +166,11 @@ chosen() {  # the queue's runs named in $JOBS (comma-separated, in that order), 
 
 run_queue() {
   chosen | while IFS='|' read -r name cmd; do
+    # a job that needs vLLM waits for the kit (its last part may arrive after the queue started: on 2026-12-06 a
+    # config check queued after a 54 s JAX-only job started before it and ended at once, no module named vllm)
+    case "$name" in *buffers*) ;; *)
+      n=0; while [ ! -f /tmp/site/.kit-ready ] && [ $n -lt 120 ]; do sleep 5; n=$((n + 1)); done ;;
+    esac
     echo "$(date +%T) start $name" >> $Q/summary.log
     t0=$(date +%s)
     # a job past JOB_TIMEOUT gets SIGABRT (its process group): Python's faulthandler (PYTHONFAULTHANDLER, set at
