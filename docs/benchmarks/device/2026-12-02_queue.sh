@@ -52,7 +52,8 @@ queue() {
   # committed) then 4 layers per loop iteration: the fixed part of its temporaries (~13 GiB in the H100 plan's
   # probes; on CPU the unrolled update holds a copy of every layer's weights, a loop none) and the largest values
   # of XLA's buffer assignment; lora7b_buffers_dsf: unrolled, with XLA's dynamic-slice fusion (GEMMs reading their
-  # operands in place from the stacked weights, off by default), whether that drops the copy; lora7b_buffers_cse:
+  # operands in place from the stacked weights, off by default), whether that drops the copy (moot: on an H100 the
+  # unrolled update held no copy, 0.27 GiB at none against a loop's 1.81, 2026-12-06); lora7b_buffers_cse:
   # unrolled with the layers' remat under prevent_cse=True (on CPU: 5.48 instead of 6.37 GiB per 1024 tokens);
   # (lora7b_cse, run at 45003fe: the 7B LoRA config with model.remat_prevent_cse=true, a key since removed: its
   # plan's probes were those without it.) lora7b_buffers_mb: the buffers job with four micro-batches per mini-batch
@@ -61,8 +62,8 @@ queue() {
   # layers' slices neither shared between micro-batches nor hoisted out of the scan), then with the config's kept
   # logits (actor.logprob_remat=false): which of them holds (or drops) the plan's ~13 GiB at no tokens
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
-  # with model.scan_unroll=4 (the plan then fits a larger update budget; the loop costs ~8 % at a fixed budget,
-  # 1.5B on an H200, 2026-11-30)
+  # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
+  # H200, 2026-11-30; moot since the H100's compile held more with the loop than unrolled, 2026-12-06)
   # lora7b_ahead_inproc: the committed 7B LoRA one-step-ahead config with the engine in the trainer's process (one CUDA
   # context: XLA's and vLLM's kernels on streams of one context, not the time slices of two processes that cost the
   # helper config 3.1 s a step at 7B, 2026-12-05); lora7b_bypass_awake: the synchronous 7B LoRA step in bypass mode

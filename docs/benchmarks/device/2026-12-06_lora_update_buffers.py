@@ -113,10 +113,8 @@ def main(argv=None) -> int:
         temps[tokens] = mem.temps
         print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll} "
               f"prevent_cse={args.prevent_cse} micro-batches={args.micro_batches} keep_logits={args.keep_logits} "
-              f"tie={args.tie}, "
-              f"{tokens} tokens "
-              f"({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, arguments "
-              f"{mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
+              f"tie={args.tie}, {tokens} tokens ({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, "
+              f"arguments {mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
               flush=True)
     (a, ta), (b, tb) = sorted(temps.items())[:2]
     slope = (tb - ta) / (b - a)
