@@ -157,6 +157,8 @@ EOF
   for c in $($PY scripts/check_configs.py --list | cut -d' ' -f1); do
     echo "check_$c|$PY scripts/check_configs.py --only $c --steps 3 --timeout 900 --ledger $Q/results.jsonl --workdir $Q/cc"
     echo "check10_$c|$PY scripts/check_configs.py --only $c --steps 10 --step-rows --timeout 1500 --ledger $Q/results.jsonl --workdir $Q/cc"
+    # the same from the baseline tree (.base.tgz; the queue's *_base jobs above): another commit's code on one machine
+    echo "check10_${c}_base|cd /tmp/base && JAXPPO_COMMIT=\$(cat /tmp/base/.commit) $PY scripts/check_configs.py --only $c --steps 10 --step-rows --timeout 1500 --ledger $Q/results.jsonl --workdir $Q/cc_base"
   done
 }
 
