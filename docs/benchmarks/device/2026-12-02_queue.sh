@@ -56,11 +56,12 @@ queue() {
   # unrolled update held no copy, 0.27 GiB at none against a loop's 1.81, 2026-12-06); lora7b_buffers_cse:
   # unrolled with the layers' remat under prevent_cse=True (on CPU: 5.48 instead of 6.37 GiB per 1024 tokens);
   # (lora7b_cse, run at 45003fe: the 7B LoRA config with model.remat_prevent_cse=true, a key since removed: its
-  # plan's probes were those without it.) lora7b_buffers_mb: the buffers job with four micro-batches per mini-batch (lora7b_buffers_tie: its first two compiles)
+  # plan's probes were those without it.) lora7b_buffers_mb: the buffers job with four micro-batches per mini-batch
   # (the update's scan over them, as in the config's runs; one micro-batch held no copy of the weights on an H100),
   # then with each micro-batch's loss reading the weights through a barrier tied to its micro-batch (--tie: the
   # layers' slices neither shared between micro-batches nor hoisted out of the scan), then with the config's kept
-  # logits (actor.logprob_remat=false): which of them holds (or drops) the plan's ~13 GiB at no tokens
+  # logits (actor.logprob_remat=false): which of them holds (or drops) the plan's ~13 GiB at no
+  # tokens; lora7b_buffers_tie: its first two compiles only (plain and tied)
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
   # H200, 2026-11-30; moot since the H100's compile held more with the loop than unrolled, 2026-12-06)
@@ -88,6 +89,8 @@ queue() {
   # under plain MPS at 0.5B (2026-12-05) XLA's kernels took the card and the helper's generation starved (3.3 s)
   local MPS_ON="export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d &&"
   local MPS_OFF="; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
+  # the 7B LoRA update's buffers (docs/benchmarks/device/2026-12-06_lora_update_buffers.py) at 1024 and 2048 tokens
+  local LB="$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl"
   cat <<EOF
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 sync05_base|cd /tmp/base && JAXPPO_COMMIT=\$(cat /tmp/base/.commit) $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/sync05_base.json --workdir $Q/w/sync05_base
@@ -123,11 +126,11 @@ async15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps
 awake15|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --json-out $Q/awake15.json --workdir $Q/w/awake15 rollout.free_cache_engine=false
 ppo7b_offload|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload.json --workdir $Q/w/ppo7b
 grpo7b|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b.json --workdir $Q/w/grpo7b
-lora7b_buffers|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl && rm -rf /tmp/lora7b_buffers && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --unroll 4 --ledger $Q/results.jsonl
-lora7b_buffers_dsf|XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_dsf --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl
-lora7b_buffers_cse|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_cse --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --prevent-cse --ledger $Q/results.jsonl
-lora7b_buffers_mb|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl && rm -rf /tmp/lora7b_buffers_mb && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl --tie && rm -rf /tmp/lora7b_buffers_mb && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl --keep-logits
-lora7b_buffers_tie|$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl && rm -rf /tmp/lora7b_buffers_mb && $PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --out /tmp/lora7b_buffers_mb --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --micro-batches 4 --ledger $Q/results.jsonl --tie
+lora7b_buffers|$LB --out /tmp/lora7b_buffers && rm -rf /tmp/lora7b_buffers && $LB --out /tmp/lora7b_buffers --unroll 4
+lora7b_buffers_dsf|XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $LB --out /tmp/lora7b_buffers_dsf
+lora7b_buffers_cse|$LB --out /tmp/lora7b_buffers_cse --prevent-cse
+lora7b_buffers_mb|$LB --out /tmp/lora7b_buffers_mb --micro-batches 4 && rm -rf /tmp/lora7b_buffers_mb && $LB --out /tmp/lora7b_buffers_mb --micro-batches 4 --tie && rm -rf /tmp/lora7b_buffers_mb && $LB --out /tmp/lora7b_buffers_mb --micro-batches 4 --keep-logits
+lora7b_buffers_tie|$LB --out /tmp/lora7b_buffers_mb --micro-batches 4 && rm -rf /tmp/lora7b_buffers_mb && $LB --out /tmp/lora7b_buffers_mb --micro-batches 4 --tie
 lora7b_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_unroll4.json --workdir $Q/w/lora7b_unroll4 model.scan_unroll=4
 lora7b_bypass_awake_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake_unroll4.json --workdir $Q/w/lora7b_bypass_awake_unroll4 algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false model.scan_unroll=4
 grpo7b_unroll4|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b_unroll4.json --workdir $Q/w/grpo7b_unroll4 model.scan_unroll=4
