@@ -30,6 +30,7 @@ from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticCo
 from jaxppo.accumulate import _without, minibatch_gradients, optimizer_step
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
+from jaxppo.models.lora import LoraSpec
 from jaxppo.ppo.bypass import bypass_policy_loss
 from jaxppo.ppo.policy_losses import compute_policy_loss
 from jaxppo.programs import Memory, Program
@@ -285,10 +286,14 @@ class _Base(DeviceBatches):
         out = jax.lax.map(lambda mb: fn(params, mb), self._micro_batches(batch, self.forward_micro_batch_per_device))
         return out if "gather_idx" in batch else jax.tree.map(merge_micro, out)
 
+    def programs(self) -> list[Program]:
+        """This engine's programs made so far: its forward and update (and the actor's LoRA reference)."""
+        return [p for p in (self._forward_jit, self._update_jit) if p is not None]
+
     def compiles(self) -> int:
-        """Programs compiled so far by this engine's forward and update, ahead of time for the memory plan or at
-        a call with a new signature (the `perf/compiles` metric)."""
-        return sum(f.compiles() for f in (self._forward_jit, self._update_jit) if f is not None)
+        """Programs compiled so far by this engine, ahead of time for the memory plan or at a call with a new
+        signature (the `perf/compiles` metric)."""
+        return sum(p.compiles() for p in self.programs())
 
     def _extra(self, ref: Any = None) -> dict:
         """What every loss reads besides the trainable parameters and the batch: the frozen base weights
@@ -397,6 +402,7 @@ class ActorEngine(_Base):
         self.old_from_update = False  # the old log-probs are this update's own, detached (jaxppo/step.py)
         super().__init__(module, mesh, response_length, cfg.optim, total_steps, cfg.ppo_micro_batch_size_per_device,
                          cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype, trainable)
+        self._base_jit: Program | None = None  # LoRA: the reference's log-probs from the base module alone
 
     def _head(self, params, batch, with_entropy=True, truncation=None, ref_params=None):
         return response_head(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
@@ -428,6 +434,42 @@ class ActorEngine(_Base):
         program = self.forward_program(params)
         with self._ctx():
             return (program.probe if probe else program.memory)(params, frozen, batch, with_entropy, truncation)
+
+    def ref_logprobs(self, ref_params: Any, batch: Batch) -> jax.Array:
+        """The reference policy's response log-probs, as `logprobs(ref_params, batch)[0]`. Under LoRA the reference
+        is the base (`ref_params` the adapters zeroed), so it runs the module without adapters on the frozen
+        weights alone: the same log-probs without every projection's two rank-r matmuls and add on zeros."""
+        if self.frozen is None:
+            return self.logprobs(ref_params, batch)[0]
+        with self._ctx():
+            return self.base_program(ref_params)(ref_params, self.frozen, batch)
+
+    def base_program(self, params: Any) -> Program:
+        """The base module's log-probs (LoRA's reference): `fn(adapters, frozen, batch)`, the adapters unread (they
+        keep the forward's micro-batch mapping and argument layout; XLA drops them)."""
+        self._remember_specs(params)
+        if self._base_jit is None:
+            base = self.module.clone(lora=LoraSpec())
+
+            def fwd(p, f, b):
+                head = lambda _, mb: response_head(base, f, mb, self.response_length,  # noqa: E731
+                                                   self.cfg.logprob_chunk_size, False, self.temperature,
+                                                   self.cfg.logprob_remat)["logprobs"]
+                return self._forward_map(head, p, b)
+
+            self._base_jit = Program(fwd, name="reference log-probs (the base)")
+        return self._base_jit
+
+    def compile_ref_logprobs(self, ref_params: Any, frozen: Any, batch: Batch, probe: bool = False) -> Memory:
+        """Compile `ref_logprobs` for these (abstract) arguments, as `compile_logprobs` does."""
+        if frozen is None:
+            return self.compile_logprobs(ref_params, None, batch, probe=probe)
+        program = self.base_program(ref_params)
+        with self._ctx():
+            return (program.probe if probe else program.memory)(ref_params, frozen, batch)
+
+    def programs(self) -> list[Program]:
+        return super().programs() + ([self._base_jit] if self._base_jit is not None else [])
 
     def update(self, state: TrainState, minibatch: Batch, ref_params: Any = None) -> tuple[TrainState, dict]:
         """One optimizer step on a mini-batch; `ref_params`: the reference policy (the exact-KL loss,

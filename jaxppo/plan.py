@@ -352,8 +352,8 @@ def _phase_searches(searches: _PhaseSearches, seeds: Any) -> list[Search]:
                                                                                  trunc, probe),
                                   device_bytes((a_state.params, a_frozen))))]
     if build.ref is not None and build.needs_ref_logprobs:  # the reference's log-probs run at the same budget
-        forward.append(("reference forward", (lambda b, probe: build.actor.compile_logprobs(build.ref, a_frozen, b,
-                                                                                           probe=probe),
+        forward.append(("reference forward", (lambda b, probe: build.actor.compile_ref_logprobs(build.ref, a_frozen, b,
+                                                                                               probe),
                                               device_bytes((build.ref, a_frozen)))))
     out = [searches.search(tuple(n for n, _ in forward), a, "actor.log_prob_max_token_len_per_device",
                            a.log_prob_max_token_len_per_device, seeds.actor_forward, rows_step, (),
@@ -464,7 +464,7 @@ def bind_plan(cfg: Any, plan: Plan, engines: list[Any]) -> tuple[Plan, list[dict
     (`DeviceBatches.hold_to_plan`)."""
     plan = finalize(cfg, plan, memory.pool_bytes)
     log.info("memory plan with the programs the run calls:\n%s", plan.table())
-    late = watch_late_compiles(plan, [p for e in engines for p in (e._forward_jit, e._update_jit) if p is not None])
+    late = watch_late_compiles(plan, [p for e in engines for p in e.programs()])
     for e in engines:
         e.hold_to_plan(plan.packed_shapes())
     if plan.vllm is not None and jax.default_backend() == "gpu":

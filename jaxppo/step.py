@@ -437,7 +437,7 @@ def collect(ctx: StepContext, state: PPOState, rows: np.ndarray | None, step: in
     ref_lp = None
     if state.ref_params is not None and needs_ref_logprobs(cfg):
         with timer("ref"):
-            ref_lp = a_out(ctx.actor.logprobs(state.ref_params, a_in)[0])
+            ref_lp = a_out(ctx.actor.ref_logprobs(state.ref_params, a_in))
     values = None
     if ctx.critic is not None:
         c_in, c_out = forward_input(ctx.critic, cfg.critic.use_dynamic_bsz, budgets.critic_forward, batch,

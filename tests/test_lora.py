@@ -14,7 +14,7 @@ from flax import traverse_util
 
 from jaxppo.models import load_model
 from jaxppo.models.hf_io import export_hf_arrays
-from jaxppo.models.lora import LoRAWeights, LoraSpec, adapter_params, is_adapter, parse_targets, split
+from jaxppo.models.lora import PROJECTIONS, LoRAWeights, LoraSpec, adapter_params, is_adapter, parse_targets, split
 from tests.bridge import engine_checks
 from tests.bridge.test_push import destination, fused_reference
 
@@ -181,6 +181,43 @@ def test_state_holds_adapters_only_with_the_base_frozen_in_the_compute_dtype(tin
     assert "reference (compute dtype)" not in want  # the reference is the base, no copy
     assert nbytes(state.params) + nbytes(state.opt_state) == want["actor adapters (fp32 + AdamW)"]
     assert nbytes(actor.frozen) == want["actor base (frozen, compute dtype)"]
+
+
+def test_the_reference_under_lora_is_the_base_module_without_the_adapters_matmuls(tiny_qwen):
+    """LoRA's reference policy is the base: `ref_logprobs` runs the module without adapters on the frozen weights,
+    giving the log-probs of the actor's forward with the adapters zeroed, with none of the adapters' matmuls in
+    its program; and its own program, compiled once."""
+    from jaxppo.config import load_config
+    from jaxppo.engine import ActorEngine
+    from jaxppo.models.lora import zeros_like_adapters
+    from jaxppo.sharding import make_mesh
+    from scripts.bench_update import synthetic_batch
+
+    cfg = load_config(None, ["actor.lora_rank=8"])
+    module, params, mcfg = load_model(tiny_qwen, dtype=jnp.float32, param_dtype=jnp.float32, lora=LoraSpec(8, 16.0))
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    actor = ActorEngine(module, mesh, cfg.actor, 8, trainable=is_adapter)
+    state = actor.init_state(params)
+    # adapters that move the policy, so that the actor's log-probs differ from the reference's
+    trained = jax.tree.map(lambda a: a + 0.05, state.params)
+    zeros = zeros_like_adapters(state.params)
+    batch = actor.shard_batch(synthetic_batch(mcfg, 8, 16, 8))
+    ref = np.asarray(actor.ref_logprobs(zeros, batch))
+    with_zero_adapters = np.asarray(actor.logprobs(zeros, batch)[0])
+    np.testing.assert_allclose(ref, with_zero_adapters, rtol=0, atol=2e-6)
+    assert np.abs(np.asarray(actor.logprobs(trained, batch)[0]) - ref).max() > 1e-3
+    assert np.asarray(actor.ref_logprobs(trained, batch)).tolist() == ref.tolist()  # the adapters are not read
+
+    def dots(program, adapters):
+        with actor._ctx():
+            return program.jitted.lower(adapters, actor.frozen, batch, *program_static(program)).as_text().count(
+                "dot_general")
+
+    program_static = lambda p: (False, None) if p is actor.forward_program(zeros) else ()  # noqa: E731
+    # the layers' loop body: the actor's forward has each projection's base matmul and two for its adapter, the
+    # base program the base matmuls alone
+    assert dots(actor.forward_program(zeros), zeros) - dots(actor.base_program(zeros), zeros) == 2 * len(PROJECTIONS)
+    assert actor.base_program(zeros).compiles() == 1 and actor.base_program(zeros) in actor.programs()
 
 
 # ------------------------------------------------------------------ a real run of the embedded default

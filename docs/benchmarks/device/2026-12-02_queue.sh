@@ -63,7 +63,8 @@ queue() {
   # logits (actor.logprob_remat=false): which of them holds (or drops) the plan's ~13 GiB at no
   # tokens; lora7b_buffers_tie: its first two compiles only (plain and tied); lora7b_buffers_dump: the plain one at four
   # micro-batches with XLA's scheduled program and buffer assignment of its 1024-token compile kept (/tmp/lbd_dump.tgz,
-  # copied to $OUT by the caller)
+  # copied to $OUT by the caller); lora7b_ref_base: LoRA's reference log-probs from the base module against the actor's
+  # forward with zero adapters (scripts/bench_lora_reference.py, 7B, the config's 256 x 336 tokens; JAX only)
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
   # H200, 2026-11-30; moot since the H100's compile held more with the loop than unrolled, 2026-12-06)
@@ -133,6 +134,7 @@ lora7b_buffers_dsf|XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $LB --ou
 lora7b_buffers_cse|$LB --out /tmp/lora7b_buffers_cse --prevent-cse
 lora7b_buffers_mb|$LB --out /tmp/lora7b_buffers_mb --micro-batches 4 && rm -rf /tmp/lora7b_buffers_mb && $LB --out /tmp/lora7b_buffers_mb --micro-batches 4 --tie && rm -rf /tmp/lora7b_buffers_mb && $LB --out /tmp/lora7b_buffers_mb --micro-batches 4 --keep-logits
 lora7b_buffers_tie|$LB --out /tmp/lora7b_buffers_mb --micro-batches 4 && rm -rf /tmp/lora7b_buffers_mb && $LB --out /tmp/lora7b_buffers_mb --micro-batches 4 --tie
+lora7b_ref_base|$PY scripts/bench_lora_reference.py --shape qwen2.5-7b --ledger $Q/results.jsonl
 lora7b_buffers_dump|$LB --out /tmp/lbd --micro-batches 4 && cd /tmp/lbd/dump && m=\$(ls *after_optimizations.txt | sort | head -1) && m=\${m%%.*} && tar czf /tmp/lbd_dump.tgz \$m.*after_optimizations.txt \$m.*buffer-assignment.txt \$m.*memory-usage-report.txt && ls -la /tmp/lbd_dump.tgz
 lora7b_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_unroll4.json --workdir $Q/w/lora7b_unroll4 model.scan_unroll=4
 lora7b_bypass_awake_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake_unroll4.json --workdir $Q/w/lora7b_bypass_awake_unroll4 algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false model.scan_unroll=4
