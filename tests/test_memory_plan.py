@@ -202,9 +202,11 @@ def test_plan_only_exits_0_or_2_and_creates_nothing(tmp_path, capsys, one_device
     assert not run.exists() and not staged, staged  # no run directory, no staged data left
 
 
-def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(tmp_path, one_device):
+@pytest.mark.parametrize("extra", [[], ["actor.lora_rank=8"]], ids=["full", "lora"])
+def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(tmp_path, one_device, extra):
     """XLA's own compile events, by program: each of the step's programs is compiled once per argument signature
-    (the plan's executables are the ones the steps call: no second compile of the same program)."""
+    (the plan's executables are the ones the steps call: no second compile of the same program); under LoRA the
+    reference's own program (the base module) among them."""
     from jax._src import monitoring
 
     from jaxppo.train import make_engine_factory
@@ -220,9 +222,10 @@ def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(
     try:
         cfg = load_config(ROOT / "configs" / "default.yaml",
                           [f"trainer.default_local_dir={tmp_path / 'run'}", *FAST, "trainer.sft_warmup_steps=0",
-                           "trainer.total_training_steps=2", "trainer.test_freq=-1", "actor.use_kl_loss=true"])
+                           "trainer.total_training_steps=2", "trainer.test_freq=-1", "actor.use_kl_loss=true", *extra])
         with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
-            programs = [p for e in (trainer.actor, trainer.critic) for p in (e._forward_jit, e._update_jit)]
+            programs = [p for e in (trainer.actor, trainer.critic) for p in e.programs()]
+            assert len(programs) == 4 + bool(extra)  # the forwards and updates, and LoRA's reference
             planned = {p.name: p.compiles() for p in programs}
             assert all(planned.values()), planned  # every program compiled by the plan, before any state existed
             trainer.fit()
