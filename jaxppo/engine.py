@@ -404,8 +404,8 @@ class ActorEngine(_Base):
                          cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype, trainable)
         self._base_jit: Program | None = None  # LoRA: the reference's log-probs from the base module alone
 
-    def _head(self, params, batch, with_entropy=True, truncation=None, ref_params=None):
-        return response_head(self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
+    def _head(self, params, batch, with_entropy=True, truncation=None, ref_params=None, module=None):
+        return response_head(module or self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
                              with_entropy, self.temperature, self.cfg.logprob_remat, truncation, ref_params)
 
     def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False,
@@ -451,13 +451,9 @@ class ActorEngine(_Base):
         if self._base_jit is None:
             base = self.module.clone(lora=LoraSpec())
 
-            def fwd(p, f, b):
-                head = lambda _, mb: response_head(base, f, mb, self.response_length,  # noqa: E731
-                                                   self.cfg.logprob_chunk_size, False, self.temperature,
-                                                   self.cfg.logprob_remat)["logprobs"]
-                return self._forward_map(head, p, b)
-
-            self._base_jit = Program(fwd, name="reference log-probs (the base)")
+            self._base_jit = Program(lambda p, f, b: self._forward_map(
+                lambda _, mb: self._head(f, mb, with_entropy=False, module=base)["logprobs"], p, b),
+                name="reference log-probs (the base)")
         return self._base_jit
 
     def compile_ref_logprobs(self, ref_params: Any, frozen: Any, batch: Batch, probe: bool = False) -> Memory:

@@ -36,15 +36,16 @@ from scripts.bench_update import synthetic_batch  # noqa: E402
 from scripts.shapes import SHAPES  # noqa: E402
 
 
-def timed(fn, repeats: int) -> list[float]:
+def timed(fn, repeats: int) -> tuple[list[float], np.ndarray]:
+    """(seconds of each of `repeats` calls after two warm-up calls, the last call's result)."""
     for _ in range(2):
         jax.block_until_ready(fn())
-    out = []
+    seconds = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t0)
-    return out
+        out = jax.block_until_ready(fn())
+        seconds.append(time.perf_counter() - t0)
+    return seconds, np.asarray(out)
 
 
 def main(argv=None) -> int:
@@ -74,14 +75,14 @@ def main(argv=None) -> int:
     del params
     zeros = zeros_like_adapters(state.params)
     batch = actor.shard_batch(synthetic_batch(cfg, args.rows, args.seq, args.resp))
-    zero_adapters = timed(lambda: actor.logprobs(zeros, batch)[0], args.repeats)
-    base = timed(lambda: actor.ref_logprobs(zeros, batch), args.repeats)
-    before, now = np.asarray(actor.logprobs(zeros, batch)[0]), np.asarray(actor.ref_logprobs(zeros, batch))
+    zero_adapters, before = timed(lambda: actor.logprobs(zeros, batch)[0], args.repeats)
+    base, now = timed(lambda: actor.ref_logprobs(zeros, batch), args.repeats)
     diff = float(np.max(np.abs(before - now)))
     # the base model's forward FLOPs (a training pass is 3 forwards' worth in jaxppo.perf's model)
     flops = step_flops(flops_model(cfg), np.full(args.rows, args.seq), np.full(args.rows, args.resp)) / 3
     peak = device_peak_flops()[0] if gpu else None
-    figures = {"shape": args.shape, "lora_rank": args.lora, "rows": args.rows, "seq": args.seq, "micro_rows": args.micro,
+    figures = {"shape": args.shape, "lora_rank": args.lora, "rows": args.rows, "seq": args.seq,
+               "micro_rows": args.micro,
                "zero_adapters_s": statistics.median(zero_adapters), "base_s": statistics.median(base),
                "zero_adapters_all_s": zero_adapters, "base_all_s": base, "max_abs_diff": diff}
     if peak:

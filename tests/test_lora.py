@@ -208,15 +208,14 @@ def test_the_reference_under_lora_is_the_base_module_without_the_adapters_matmul
     assert np.abs(np.asarray(actor.logprobs(trained, batch)[0]) - ref).max() > 1e-3
     assert np.asarray(actor.ref_logprobs(trained, batch)).tolist() == ref.tolist()  # the adapters are not read
 
-    def dots(program, adapters):
+    def dots(program, *static):
         with actor._ctx():
-            return program.jitted.lower(adapters, actor.frozen, batch, *program_static(program)).as_text().count(
-                "dot_general")
+            return program.jitted.lower(zeros, actor.frozen, batch, *static).as_text().count("dot_general")
 
-    program_static = lambda p: (False, None) if p is actor.forward_program(zeros) else ()  # noqa: E731
-    # the layers' loop body: the actor's forward has each projection's base matmul and two for its adapter, the
-    # base program the base matmuls alone
-    assert dots(actor.forward_program(zeros), zeros) - dots(actor.base_program(zeros), zeros) == 2 * len(PROJECTIONS)
+    # the layers' loop body: the actor's forward (no entropy, no truncation) has each projection's base matmul and
+    # two for its adapter, the base program the base matmuls alone
+    with_adapters = dots(actor.forward_program(zeros), False, None)
+    assert with_adapters - dots(actor.base_program(zeros)) == 2 * len(PROJECTIONS)
     assert actor.base_program(zeros).compiles() == 1 and actor.base_program(zeros) in actor.programs()
 
 

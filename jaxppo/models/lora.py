@@ -4,8 +4,8 @@ A targeted projection computes y = x W^T (+ b) + (alpha / r) (x A^T) B^T with A 
 layout and names: `lora_A`, `lora_B`). A starts as PEFT's kaiming-uniform, B at zero, so step 0 is the base
 model exactly. The adapters are float32 and trained with AdamW; the base weights are stored in the compute
 dtype and get neither gradients nor optimizer state. The reference policy is the base (no second copy of the
-weights): the module without adapters on the frozen weights (`ActorEngine.ref_logprobs`). The rollout engine receives merged weights W + (alpha / r) B A, one
-parameter at a time.
+weights): the module without adapters on the frozen weights (`ActorEngine.ref_logprobs`). The rollout engine
+receives merged weights W + (alpha / r) B A, one parameter at a time.
 """
 
 from __future__ import annotations
