@@ -36,6 +36,7 @@ CHECKS = [
     ("qwen2.5-1.5b-ahead", "configs/gsm8k_qwen2.5_1.5b_ahead.yaml", "qwen2.5-1.5b", []),
     ("qwen2.5-7b-lora", "configs/gsm8k_qwen2.5_7b_lora.yaml", "qwen2.5-7b", []),
     ("qwen2.5-7b-lora-ahead", "configs/gsm8k_qwen2.5_7b_lora_ahead.yaml", "qwen2.5-7b", []),
+    ("qwen2.5-7b-lora-bypass", "configs/gsm8k_qwen2.5_7b_lora_bypass.yaml", "qwen2.5-7b", []),
     ("qwen2.5-7b", "configs/gsm8k_qwen2.5_7b.yaml", "qwen2.5-7b", []),
     # the change its refusal on one card names (the mesh to the devices present): the memory plan's refusal then,
     # whose own suggestions lead to the offload config below
