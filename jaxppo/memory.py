@@ -323,11 +323,12 @@ def held_bytes(tree: Any, device: Any = None) -> int:
     return sum(seen.values())
 
 
-def describe(plan: Any, jax_limit_bytes: int | None) -> str:
-    """One line for the log: the card, vLLM's share, JAX's reservation and ceiling."""
+def describe(plan: Any, jax_limit_bytes: int | None, asleep: bool = True) -> str:
+    """One line for the log: the card, vLLM's share (`asleep`: freed while JAX trains, `rollout.free_cache_engine`),
+    JAX's reservation and ceiling."""
     if not jax_limit_bytes or plan is None or plan.vllm is None:
         return "GPU memory plan: JAX grows on demand"
     card = jax_limit_bytes / jax_fraction()
     return (f"GPU memory plan: {card / GiB:.0f} GiB card; vLLM {plan.vllm.utilization:.3f} = {plan.vllm.bytes / GiB:.1f} "
-            f"GiB (weights + KV cache, asleep during training); JAX reserves {plan.need / GiB:.1f} GiB (its compiled "
+            f"GiB (weights + KV cache, {'asleep' if asleep else 'kept awake'} during training); JAX reserves {plan.need / GiB:.1f} GiB (its compiled "
             f"peak + margin; ceiling {jax_fraction():.2f} of the card)")

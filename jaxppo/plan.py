@@ -468,7 +468,8 @@ def bind_plan(cfg: Any, plan: Plan, engines: list[Any]) -> tuple[Plan, list[dict
     for e in engines:
         e.hold_to_plan(plan.packed_shapes())
     if plan.vllm is not None and jax.default_backend() == "gpu":
-        log.info(memory.describe(plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")))
+        log.info(memory.describe(plan, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"),
+                                 cfg.rollout.free_cache_engine))
     return plan, late
 
 

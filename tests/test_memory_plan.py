@@ -424,6 +424,20 @@ def test_jax_takes_its_share_as_one_allocation_and_the_planning_child_grows_on_d
         memory.backend_env(0.96)
 
 
+def test_the_gpu_plans_log_line_says_whether_vllm_sleeps_while_jax_trains(monkeypatch):
+    """`rollout.free_cache_engine=false` keeps the engine awake: the plan's line said "asleep" for it too (the 7B LoRA
+    bypass config's check, 2026-12-07)."""
+    from types import SimpleNamespace
+
+    from jaxppo import memory
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    plan = SimpleNamespace(vllm=SimpleNamespace(utilization=0.4, bytes=32 * memory.GiB), need=40 * memory.GiB)
+    line = memory.describe(plan, 40 * memory.GiB)
+    assert "80 GiB card" in line and "32.0 GiB (weights + KV cache, asleep during training)" in line
+    assert "kept awake during training" in memory.describe(plan, 40 * memory.GiB, asleep=False)
+
+
 def test_a_gpu_run_takes_the_budgets_and_the_split_of_the_plan_its_child_compiled(tmp_path, monkeypatch):
     """`memory.plan_in_child` through a real child process (on CPU, the card given): the run gets the child's
     budgets as given ones, vLLM the card beside JAX's need, and JAX one allocation of that need."""

@@ -65,9 +65,15 @@ queue() {
   # micro-batches with XLA's scheduled program and buffer assignment of its 1024-token compile kept (/tmp/lbd_dump.tgz,
   # copied to $OUT by the caller); lora7b_ref_base: LoRA's reference log-probs from the base module against the actor's
   # forward with zero adapters (scripts/bench_lora_reference.py, 7B, the config's 256 x 336 tokens; JAX only)
+  # lora7b_buffers_mb_fix: four micro-batches again, (1) with a loop of four layers (--unroll 4), (2) under XLA's
+  # dynamic slice fusion, (3) with the layers' remat under prevent_cse: which of them drops the 12.15 GiB of layer
+  # weight slices the micro-batch loop's body materialises (its dump, one H100, 2026-12-07: each slice shared by the
+  # forward's and the backward's gemm; outside the loop the slice is fused into the gemm); ~4 min, no vLLM
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
-  # H200, 2026-11-30; moot since the H100's compile held more with the loop than unrolled, 2026-12-06)
+  # H200, 2026-11-30; thought moot when one micro-batch's compile on an H100 held more with the loop than unrolled,
+  # 2026-12-06, but at four micro-batches the unrolled update holds a copy of the layers' weights: see
+  # lora7b_buffers_mb_fix, which says whether these are worth a run)
   # lora7b_ahead_inproc: the committed 7B LoRA one-step-ahead config with the engine in the trainer's process (one CUDA
   # context: XLA's and vLLM's kernels on streams of one context, not the time slices of two processes that cost the
   # helper config 3.1 s a step at 7B, 2026-12-05); lora7b_bypass_awake: the synchronous 7B LoRA step in bypass mode
@@ -136,6 +142,7 @@ lora7b_buffers_mb|$LB --out /tmp/lora7b_buffers_mb --micro-batches 4 && rm -rf /
 lora7b_buffers_tie|$LB --out /tmp/lora7b_buffers_mb --micro-batches 4 && rm -rf /tmp/lora7b_buffers_mb && $LB --out /tmp/lora7b_buffers_mb --micro-batches 4 --tie
 lora7b_ref_base|$PY scripts/bench_lora_reference.py --shape qwen2.5-7b --ledger $Q/results.jsonl
 lora7b_buffers_dump|$LB --out /tmp/lbd --micro-batches 4 && cd /tmp/lbd/dump && m=\$(ls *after_optimizations.txt | sort | head -1) && m=\${m%%.*} && tar czf /tmp/lbd_dump.tgz \$m.*after_optimizations.txt \$m.*buffer-assignment.txt \$m.*memory-usage-report.txt && ls -la /tmp/lbd_dump.tgz
+lora7b_buffers_mb_fix|$LB --out /tmp/lbf --micro-batches 4 --unroll 4 && rm -rf /tmp/lbf && XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $LB --out /tmp/lbf --micro-batches 4 && rm -rf /tmp/lbf && $LB --out /tmp/lbf --micro-batches 4 --prevent-cse
 lora7b_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_unroll4.json --workdir $Q/w/lora7b_unroll4 model.scan_unroll=4
 lora7b_bypass_awake_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake_unroll4.json --workdir $Q/w/lora7b_bypass_awake_unroll4 algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false model.scan_unroll=4
 grpo7b_unroll4|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b_unroll4.json --workdir $Q/w/grpo7b_unroll4 model.scan_unroll=4
