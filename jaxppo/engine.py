@@ -332,9 +332,13 @@ class _Base(DeviceBatches):
                        probe: bool = False) -> Memory:
         """Compile the update for these (abstract) arguments and return XLA's memory for it; the executable is
         kept for the run (`probe`: not kept, `Program.probe`)."""
-        program = self.update_program(state)
+        return self._compile(self.update_program(state), probe, state, minibatch, {"frozen": frozen, "ref": ref})
+
+    def _compile(self, program: Program, probe: bool, *args: Any) -> Memory:
+        """XLA's memory for `program` compiled for these (abstract) arguments in this engine's mesh context; the
+        executable kept for the run (`Program.memory`) unless `probe` (`Program.probe`)."""
         with self._ctx():
-            return (program.probe if probe else program.memory)(state, minibatch, {"frozen": frozen, "ref": ref})
+            return (program.probe if probe else program.memory)(*args)
 
     def _jit_step(self, loss_fn: Callable, state: TrainState, name: str) -> Program:
         # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
@@ -431,9 +435,7 @@ class ActorEngine(_Base):
                          truncation: tuple[int, float] | None = None, probe: bool = False) -> Memory:
         """Compile `logprobs` for these (abstract) arguments; XLA's memory for it (the executable is kept unless
         `probe`)."""
-        program = self.forward_program(params)
-        with self._ctx():
-            return (program.probe if probe else program.memory)(params, frozen, batch, with_entropy, truncation)
+        return self._compile(self.forward_program(params), probe, params, frozen, batch, with_entropy, truncation)
 
     def ref_logprobs(self, ref_params: Any, batch: Batch) -> jax.Array:
         """The reference policy's response log-probs, as `logprobs(ref_params, batch)[0]`. Under LoRA the reference
@@ -460,9 +462,7 @@ class ActorEngine(_Base):
         """Compile `ref_logprobs` for these (abstract) arguments, as `compile_logprobs` does."""
         if frozen is None:
             return self.compile_logprobs(ref_params, None, batch, probe=probe)
-        program = self.base_program(ref_params)
-        with self._ctx():
-            return (program.probe if probe else program.memory)(ref_params, frozen, batch)
+        return self._compile(self.base_program(ref_params), probe, ref_params, frozen, batch)
 
     def programs(self) -> list[Program]:
         return super().programs() + ([self._base_jit] if self._base_jit is not None else [])
@@ -549,9 +549,7 @@ class CriticEngine(_Base):
         return self._forward_jit
 
     def compile_values(self, params: Any, frozen: Any, batch: Batch, probe: bool = False) -> Memory:
-        program = self.forward_program(params)
-        with self._ctx():
-            return (program.probe if probe else program.memory)(params, frozen, batch)
+        return self._compile(self.forward_program(params), probe, params, frozen, batch)
 
     def _loss(self, params, mb, num_tokens, num_seqs, extra=None):
         vpreds = response_values(self.module, self.full(params, (extra or {}).get("frozen")), mb, self.response_length)

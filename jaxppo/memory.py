@@ -329,6 +329,7 @@ def describe(plan: Any, jax_limit_bytes: int | None, asleep: bool = True) -> str
     if not jax_limit_bytes or plan is None or plan.vllm is None:
         return "GPU memory plan: JAX grows on demand"
     card = jax_limit_bytes / jax_fraction()
+    state = "asleep" if asleep else "kept awake"
     return (f"GPU memory plan: {card / GiB:.0f} GiB card; vLLM {plan.vllm.utilization:.3f} = {plan.vllm.bytes / GiB:.1f} "
-            f"GiB (weights + KV cache, {'asleep' if asleep else 'kept awake'} during training); JAX reserves {plan.need / GiB:.1f} GiB (its compiled "
+            f"GiB (weights + KV cache, {state} during training); JAX reserves {plan.need / GiB:.1f} GiB (its compiled "
             f"peak + margin; ceiling {jax_fraction():.2f} of the card)")
