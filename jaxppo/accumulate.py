@@ -1,7 +1,16 @@
-"""One mini-batch's update inside the jitted step: the micro-batches' gradients summed in one `lax.scan` (each
-micro-batch loss already normalised by the mini-batch's token / sequence counts, so the sum is the mini-batch
-loss for every `loss_agg_mode`), reduced across devices once where each device holds whole parameters, then one
-global-norm-clipped AdamW step unless the loss or gradients are not finite or a health guard fires."""
+"""One mini-batch's update: the micro-batches' gradients summed (each micro-batch loss already normalised by the
+mini-batch's token / sequence counts, so the sum is the mini-batch loss for every `loss_agg_mode`), then one
+global-norm-clipped AdamW step unless the loss or gradients are not finite or a health guard fires.
+
+Two ways to run the micro-batch loop (`model.micro_batch_loop`):
+- scan: one program a mini-batch, the micro-batches in a `lax.scan` inside it; where each device holds whole
+  parameters the gradients are summed per device and reduced across devices once, after the loop.
+- host: one program a micro-batch (its gradients, loss and metrics added to a donated sum), called by the host once
+  per micro-batch, then one program for the optimizer step: no loop inside XLA's program. In a loop XLA keeps
+  per-iteration copies a single micro-batch's program does not (on the GPU, the 7B LoRA update at four
+  micro-batches sliced every layer's weights out of the stacked arrays into buffers of their own, ~12 GiB; on the
+  CPU it hoists float32 copies of them out of the loop); the host loop compiles what one micro-batch needs.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +19,12 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxppo import offload
+from jaxppo.programs import Memory, Program
 
 Batch = dict[str, jax.Array]
 
@@ -96,13 +107,18 @@ def minibatch_gradients(engine: Any, loss_fn: Callable, params: Any, minibatch: 
 
 def optimizer_step(engine: Any, loss_fn: Callable, state: Any, minibatch: Batch, extra: Any = None
                    ) -> tuple[Any, dict]:
-    """The mini-batch's summed gradients (`minibatch_gradients`), then one clipped AdamW step unless the loss or
-    gradients are not finite or a guard fires. Metrics are summed over micro-batches (they are
-    normalised alike)."""
+    """The mini-batch's summed gradients (`minibatch_gradients`), then `apply_step`. Metrics are summed over
+    micro-batches (they are normalised alike)."""
     grads, (losses, metrics) = minibatch_gradients(engine, loss_fn, state.params, minibatch, extra)
+    return apply_step(engine, state, (grads, jnp.sum(losses), jax.tree.map(jnp.sum, metrics)))
+
+
+def apply_step(engine: Any, state: Any, sums: tuple[Any, jax.Array, dict]) -> tuple[Any, dict]:
+    """One clipped AdamW step with a mini-batch's summed (gradients, loss, metrics), unless the loss or gradients
+    are not finite or a guard fires."""
+    grads, loss, metrics = sums
+    metrics = dict(metrics)
     grad_norm = optax.global_norm(grads)
-    metrics = jax.tree.map(jnp.sum, metrics)
-    loss = jnp.sum(losses)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     ok = finite
     for name, (kind, bound) in engine.guards.items():
@@ -123,4 +139,92 @@ def optimizer_step(engine: Any, loss_fn: Callable, state: Any, minibatch: Batch,
     return state.replace(params=params, opt_state=opt_state, step=state.step + ok.astype(state.step.dtype)), metrics
 
 
-__all__ = ["minibatch_gradients", "optimizer_step"]
+def _micro_value_and_grad(engine: Any, loss_fn: Callable, params: Any, minibatch: Batch, i: Any, extra: Any):
+    """((loss, metrics), gradients) of micro-batch `i` of `minibatch`, normalised by the mini-batch's counts."""
+    micro = engine._micro_batches(minibatch, engine.micro_batch_per_device)
+    num_tokens, num_seqs = _norms(minibatch["response_mask"])
+    if "seq_count" in minibatch:
+        num_seqs = jnp.sum(minibatch["seq_count"])
+    mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
+    return jax.value_and_grad(loss_fn, has_aux=True)(params, mb, num_tokens, num_seqs, extra)
+
+
+def zero_sums(engine: Any, loss_fn: Callable, state: Any, minibatch: Batch, extra: Any = None):
+    """The host loop's empty sum: zeros shaped as one micro-batch's (gradients, loss, metrics)."""
+    shapes = jax.eval_shape(lambda: _micro_value_and_grad(engine, loss_fn, state.params, minibatch, 0, extra))
+    (loss, metrics), grads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return grads, loss, metrics
+
+
+def add_micro_batch(engine: Any, loss_fn: Callable, state: Any, sums: Any, minibatch: Batch, i: jax.Array,
+                    extra: Any = None):
+    """The host loop's body: micro-batch `i`'s (gradients, loss, metrics) added to `sums` (donated)."""
+    (loss, metrics), grads = _micro_value_and_grad(engine, loss_fn, state.params, minibatch, i, extra)
+    return jax.tree.map(jnp.add, sums, (grads, loss, metrics))
+
+
+def micro_batch_count(engine: Any, minibatch: dict) -> int:
+    """How many micro-batches `minibatch` splits into (a packed one arrives split)."""
+    if "gather_idx" in minibatch:
+        return int(minibatch["input_ids"].shape[0])
+    return engine._n_micro(int(minibatch["input_ids"].shape[0]), engine.micro_batch_per_device)
+
+
+class HostLoop:
+    """The update with the micro-batch loop on the host (`model.micro_batch_loop=host`), called as the scan's one
+    program is: the empty sum, then one program per micro-batch adding its (gradients, loss, metrics) into the sum
+    (donated), then the optimizer step. Every program takes the whole state, the mini-batch's arguments and the
+    loss's extra arguments, read or not, so XLA's memory of each counts the same resident arguments."""
+
+    def __init__(self, engine: Any, loss_fn: Callable, shardings: Any, name: str):
+        whole = NamedSharding(engine.mesh, P())
+        self.engine, self.loss_fn, self.shardings = engine, loss_fn, shardings
+        self.sum_shardings = (shardings.params, whole, whole)
+        kw = dict(keep_unused=True)
+        self.zeros = Program(lambda s, b, e: zero_sums(engine, loss_fn, s, b, e), name=f"{name} (empty sum)",
+                             out_shardings=self.sum_shardings, **kw)
+        # named as the scan's program: the one that runs at the phase's token budget
+        self.micro = Program(lambda s, acc, b, i, e: add_micro_batch(engine, loss_fn, s, acc, b, i, e), name=name,
+                             donate_argnums=(1,), out_shardings=self.sum_shardings, **kw)
+        self.apply = Program(lambda s, acc, e: apply_step(engine, s, acc), name=f"{name} (optimizer step)",
+                             donate_argnums=(0,), out_shardings=(shardings, None), **kw)
+
+    def programs(self) -> list[Program]:
+        return [self.zeros, self.micro, self.apply]
+
+    def __call__(self, state: Any, minibatch: Batch, extra: Any) -> tuple[Any, dict]:
+        sums = self.zeros(state, minibatch, extra)
+        for i in range(micro_batch_count(self.engine, minibatch)):
+            sums = self.micro(state, sums, minibatch, np.int32(i), extra)
+        return self.apply(state, sums, extra)
+
+    def _abstract_sums(self, state: Any, minibatch: Batch, extra: Any) -> Any:
+        grads, loss, metrics = jax.eval_shape(lambda s, b, e: zero_sums(self.engine, self.loss_fn, s, b, e), state,
+                                              minibatch, extra)
+        sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
+        whole = self.sum_shardings[1]
+        return (jax.tree.map(sds, grads, self.sum_shardings[0]), sds(loss, whole),
+                jax.tree.map(lambda m: sds(m, whole), metrics))
+
+    def _memories(self, how: str, state: Any, minibatch: Batch, extra: Any) -> Memory:
+        sums = self._abstract_sums(state, minibatch, extra)
+        i = jax.ShapeDtypeStruct((), np.int32)
+        mems = [getattr(self.zeros, how)(state, minibatch, extra),
+                getattr(self.micro, how)(state, sums, minibatch, i, extra),
+                getattr(self.apply, how)(state, sums, extra)]
+        # each program's arguments hold the same resident ones (keep_unused): the largest beside them is the phase's
+        return max(mems, key=lambda m: m.beside(0))
+
+    def memory(self, state: Any, minibatch: Batch, extra: Any) -> Memory:
+        """XLA's memory for the largest of the three programs, each compiled and kept."""
+        return self._memories("memory", state, minibatch, extra)
+
+    def probe(self, state: Any, minibatch: Batch, extra: Any) -> Memory:
+        return self._memories("probe", state, minibatch, extra)
+
+    def compiles(self) -> int:
+        return sum(p.compiles() for p in self.programs())
+
+
+__all__ = ["HostLoop", "minibatch_gradients", "optimizer_step", "apply_step", "zero_sums", "add_micro_batch",
+           "micro_batch_count"]

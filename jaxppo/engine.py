@@ -7,9 +7,10 @@ A batch is a dict of arrays with a leading batch axis, sharded over (data, fsdp)
   old_logprobs, advantages, ref_logprobs, is_weights, values, returns   [b, r]  as each step needs
 Log-prob and value of response token j are read at position p + j - 1 (the state before the token).
 
-One update = one mini-batch = one compiled program: micro-batches are accumulated inside a
-`lax.scan`, every micro-batch loss normalised by the mini-batch's token / sequence counts so their
-sum is the mini-batch loss for every `loss_agg_mode`; then global-norm clipping and AdamW.
+One update = one mini-batch: micro-batches are accumulated inside a `lax.scan` of one compiled program, or by the
+host, one program per micro-batch (`model.micro_batch_loop`, jaxppo/accumulate.py), every micro-batch loss
+normalised by the mini-batch's token / sequence counts so their sum is the mini-batch loss for every
+`loss_agg_mode`; then global-norm clipping and AdamW.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxppo import offload, ppo
 from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticConfig, OptimConfig
-from jaxppo.accumulate import _without, minibatch_gradients, optimizer_step
+from jaxppo.accumulate import HostLoop, _without, minibatch_gradients, optimizer_step
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
 from jaxppo.models.lora import LoraSpec
@@ -235,8 +236,9 @@ class _Base(DeviceBatches):
         self._param_specs = None  # PartitionSpecs of the parameter tree (from the first params seen)
         # AdamW's moments in host memory between updates (jaxppo/offload.py); set before the state is made
         self.optimizer_offload = False
+        self.micro_batch_loop = "scan"  # model.micro_batch_loop: the update's micro-batches in a scan or from the host
         self.opt_shardings: Any = None  # the optimizer state's shardings (memory kinds included), for the update
-        self._update_jit: Program | None = None
+        self._update_jit: Program | HostLoop | None = None
         self._forward_jit: Program | None = None
         self.frozen = None  # LoRA: the base weights (compute dtype), set by init_state
         if self.trainable is not None and self.gather_once:
@@ -288,7 +290,8 @@ class _Base(DeviceBatches):
 
     def programs(self) -> list[Program]:
         """This engine's programs made so far: its forward and update (and the actor's LoRA reference)."""
-        return [p for p in (self._forward_jit, self._update_jit) if p is not None]
+        update = self._update_jit.programs() if isinstance(self._update_jit, HostLoop) else [self._update_jit]
+        return [p for p in [self._forward_jit, *update] if p is not None]
 
     def compiles(self) -> int:
         """Programs compiled so far by this engine, ahead of time for the memory plan or at a call with a new
@@ -322,8 +325,9 @@ class _Base(DeviceBatches):
         with self._ctx():
             return program(state, minibatch, self._extra(ref))
 
-    def update_program(self, state: TrainState) -> Program:
-        """The mini-batch update's program (built from `state`'s shardings, abstract or concrete, on first use)."""
+    def update_program(self, state: TrainState) -> Program | HostLoop:
+        """The mini-batch update's program, or the host loop's programs called as one (built from `state`'s
+        shardings, abstract or concrete, on first use)."""
         if self._update_jit is None:
             self._update_jit = self._jit_step(self._loss, state, f"{self.role} update")
         return self._update_jit
@@ -340,12 +344,18 @@ class _Base(DeviceBatches):
         with self._ctx():
             return (program.probe if probe else program.memory)(*args)
 
-    def _jit_step(self, loss_fn: Callable, state: TrainState, name: str) -> Program:
+    def _jit_step(self, loss_fn: Callable, state: TrainState, name: str) -> Program | HostLoop:
         # the new state keeps exactly the input state's shardings: otherwise jit normalises them (P() vs
         # P(None, None)) and the second call, seeing "different" input shardings, compiles again
         shardings = jax.tree.map(lambda x: x.sharding, state)
         self.opt_shardings = shardings.opt_state
         self._remember_specs(state.params)
+        if self.micro_batch_loop == "host":
+            if self.local_accumulation:
+                raise ConfigError("model.micro_batch_loop=host runs where gradients are not summed per device "
+                                  f"(one device, or fsdp gathered per layer); this mesh is {dict(self.mesh.shape)}: "
+                                  "use model.micro_batch_loop=scan")
+            return HostLoop(self, loss_fn, shardings, name)
         return Program(lambda s, b, e: optimizer_step(self, loss_fn, s, b, e), name=name, donate_argnums=(0,),
                        out_shardings=(shardings, None))
 

@@ -58,8 +58,9 @@ class Program:
     directly. Static arguments are part of the signature and are not passed to the executable."""
 
     def __init__(self, fn: Callable, *, name: str = "", static_argnums: Sequence[int] = (),
-                 donate_argnums: Sequence[int] = (), out_shardings: Any = None):
-        kw = dict(static_argnums=tuple(static_argnums), donate_argnums=tuple(donate_argnums))
+                 donate_argnums: Sequence[int] = (), out_shardings: Any = None, keep_unused: bool = False):
+        # keep_unused: arguments the function does not read stay the executable's (XLA's memory counts them)
+        kw = dict(static_argnums=tuple(static_argnums), donate_argnums=tuple(donate_argnums), keep_unused=keep_unused)
         if out_shardings is not None:
             kw["out_shardings"] = out_shardings
 

@@ -36,7 +36,7 @@ def make_batch(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def run_case(ckpt, mesh, micro_per_device: int, mode: str = "token-mean", use_kl_loss: bool = True,
              process_rows: slice | None = None, fsdp_gather: str = "layer",
-             grad_reduce_dtype: str = "float32") -> dict[str, np.ndarray]:
+             grad_reduce_dtype: str = "float32", micro_batch_loop: str = "scan") -> dict[str, np.ndarray]:
     """One actor and one critic update; returns losses, grad norms and updated parameters on the host."""
     # eps=1e-3: Adam maps a near-zero gradient to +-lr whatever its rounding, which would hide real
     # differences behind sign noise; with a larger eps parameter updates are proportional to gradients.
@@ -51,12 +51,14 @@ def run_case(ckpt, mesh, micro_per_device: int, mode: str = "token-mean", use_kl
     if process_rows is not None:
         batch = {k: v[process_rows] for k, v in batch.items()}
     actor = ActorEngine(module, mesh, acfg, R_LEN, fsdp_gather=fsdp_gather, grad_reduce_dtype=grad_reduce_dtype)
+    actor.micro_batch_loop = micro_batch_loop
     b = actor.shard_batch(batch)
     logprobs, entropy = actor.logprobs(params, b, with_entropy=True)
     state, am = actor.update(actor.init_state(params), b)
     cmodule, cparams, _ = load_model(ckpt, "value", mesh=mesh, dtype=jnp.float32)
     critic = CriticEngine(cmodule, mesh, ccfg, R_LEN, fsdp_gather=fsdp_gather,
                           grad_reduce_dtype=grad_reduce_dtype)
+    critic.micro_batch_loop = micro_batch_loop
     values = critic.values(cparams, b)
     cstate, cm = critic.update(critic.init_state(cparams), b)
     from jax.experimental import multihost_utils

@@ -78,6 +78,25 @@ def test_micro_batch_invariance(tiny_qwen, reference, mode):
     assert_same(rows, whole)
 
 
+@pytest.mark.parametrize("shape", [{"data": 1}, {"fsdp": 8}, {"tensor": 2, "data": 4}])
+def test_micro_batches_summed_by_the_host_give_the_scans_update(tiny_qwen, reference, shape):
+    """model.micro_batch_loop=host (one program per micro-batch, the sum donated from one to the next, then the
+    optimizer step): eight micro-batches of one row give the update of one micro-batch of eight, on one device and
+    where the partitioner places the gradients (fsdp gathered per layer, tensor parallelism); refused where
+    gradients are summed per device."""
+    from jaxppo.errors import ConfigError
+
+    devices = jax.devices()[:1] if shape == {"data": 1} else None
+    out = run_case(tiny_qwen, make_mesh(shape, devices=devices), micro_per_device=1, micro_batch_loop="host")
+    assert_same(out, reference)
+    mesh = make_mesh({"data": 8})
+    module, params, cfg = load_model(tiny_qwen, mesh=mesh)
+    engine = ActorEngine(module, mesh, ActorConfig(ppo_micro_batch_size_per_device=1), R_LEN)
+    engine.micro_batch_loop = "host"
+    with pytest.raises(ConfigError, match="micro_batch_loop=host"):
+        engine.update(engine.init_state(params), engine.shard_batch(make_batch(cfg.vocab_size)))
+
+
 def test_chunked_logprobs_match_full_softmax(tiny_qwen, reference):
     module, params, cfg = load_model(tiny_qwen)
     b = make_batch(cfg.vocab_size)

@@ -77,6 +77,7 @@ CLOSED_SETS: dict[str, tuple] = {
     "model.param_dtype": DTYPE_NAMES,
     "model.remat": ("none", "full", "dots", "dots_attn"),
     "model.attention_impl": (None, "xla", "cudnn", "cudnn_mask"),
+    "model.micro_batch_loop": ("scan", "host"),
     "actor.optim.lr_schedule": ("constant", "cosine"),
     "critic.optim.lr_schedule": ("constant", "cosine"),
     "rollout.engine": ROLLOUT_ENGINES,
@@ -414,6 +415,11 @@ def _check_mesh(cfg: Config, num_devices: int) -> None:
         sizes["fsdp"] == 1 or cfg.mesh.fsdp_gather == "update") and batch_shards > 1,
         f"mesh.grad_reduce_dtype={cfg.mesh.grad_reduce_dtype} applies where each device holds whole parameters "
         f"(mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this mesh is {sizes}")
+    local_sums = batch_shards > 1 and sizes["tensor"] == 1 and (sizes["fsdp"] == 1 or cfg.mesh.fsdp_gather == "update")
+    _check(cfg.model.micro_batch_loop != "host" or not local_sums,
+           f"model.micro_batch_loop=host needs gradients that are not summed per device over the micro-batches (one "
+           f"device, or fsdp gathered per layer); this mesh is {sizes} with mesh.fsdp_gather={cfg.mesh.fsdp_gather}: "
+           "use model.micro_batch_loop=scan")
     seqs_step = d.train_batch_size * r.n
     for name, sub in trained_models(cfg):
         micro = sub.ppo_micro_batch_size_per_device * batch_shards

@@ -48,6 +48,11 @@ class ModelConfig:
     # decoder layers per iteration of the layer loop; 0: all of them: no loop at run time, so no copies of
     # saved activations into per-layer stacks (1.5B update on an H200: 1.08x faster; compiles ~2x longer)
     scan_unroll: int = 1
+    # the update's micro-batch loop: scan (inside the update's one program) | host (one program per micro-batch
+    # called from the host, then the optimizer step: a loop in XLA's program can hold per-iteration copies of the
+    # weights that one micro-batch's program does not); host needs gradients not summed per device (one device, or
+    # fsdp gathered per layer)
+    micro_batch_loop: str = "scan"
     # embedded default model shape (when path is None)
     tiny_hidden_size: int = 128  # hidden size of the embedded default model
     tiny_num_layers: int = 2  # layers of the embedded default model

@@ -69,6 +69,10 @@ queue() {
   # dynamic slice fusion, (3) with the layers' remat under prevent_cse: which of them drops the 12.15 GiB of layer
   # weight slices the micro-batch loop's body materialises (its dump, one H100, 2026-12-07: each slice shared by the
   # forward's and the backward's gemm; outside the loop the slice is fused into the gemm); ~4 min, no vLLM
+  # lora7b_buffers_host: the same four-micro-batch compile with the micro-batch loop on the host
+  # (model.micro_batch_loop=host: one program per micro-batch; on CPU its temporaries are one micro-batch's, 1.71 GiB at
+  # none against the scan's 3.61 at 0.5B, 2026-12-07); lora7b_bypass_host / lora7b_host: the 7B LoRA configs so (the
+  # plan's update budget was 2048 tokens with the scan's copy of the weights)
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
   # H200, 2026-11-30; thought moot when one micro-batch's compile on an H100 held more with the loop than unrolled,
@@ -143,6 +147,9 @@ lora7b_buffers_tie|$LB --out /tmp/lora7b_buffers_mb --micro-batches 4 && rm -rf 
 lora7b_ref_base|$PY scripts/bench_lora_reference.py --shape qwen2.5-7b --ledger $Q/results.jsonl
 lora7b_buffers_dump|$LB --out /tmp/lbd --micro-batches 4 && cd /tmp/lbd/dump && m=\$(ls *after_optimizations.txt | sort | head -1) && m=\${m%%.*} && tar czf /tmp/lbd_dump.tgz \$m.*after_optimizations.txt \$m.*buffer-assignment.txt \$m.*memory-usage-report.txt && ls -la /tmp/lbd_dump.tgz
 lora7b_buffers_mb_fix|$LB --out /tmp/lbf --micro-batches 4 --unroll 4 && rm -rf /tmp/lbf && XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $LB --out /tmp/lbf --micro-batches 4 && rm -rf /tmp/lbf && $LB --out /tmp/lbf --micro-batches 4 --prevent-cse
+lora7b_buffers_host|$LB --out /tmp/lbh --micro-batches 4 --loop host
+lora7b_bypass_host|$B --config configs/gsm8k_qwen2.5_7b_lora_bypass.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_host.json --workdir $Q/w/lora7b_bypass_host model.micro_batch_loop=host
+lora7b_host|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_host.json --workdir $Q/w/lora7b_host model.micro_batch_loop=host
 lora7b_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_unroll4.json --workdir $Q/w/lora7b_unroll4 model.scan_unroll=4
 lora7b_bypass_awake_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake_unroll4.json --workdir $Q/w/lora7b_bypass_awake_unroll4 algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false model.scan_unroll=4
 grpo7b_unroll4|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b_unroll4.json --workdir $Q/w/grpo7b_unroll4 model.scan_unroll=4

@@ -60,6 +60,9 @@ def main(argv=None) -> int:
                    help="each micro-batch's loss reads the weights through an optimisation barrier tied to its "
                         "micro-batch (an experiment: XLA can then neither take the layers' slices once for all "
                         "micro-batches nor hoist them out of the scan)")
+    p.add_argument("--loop", default="scan", choices=("scan", "host"),
+                   help="model.micro_batch_loop: the micro-batches in the update's scan, or one program each from "
+                        "the host (the largest of its three programs is reported)")
     p.add_argument("--keep-logits", action="store_true",
                    help="actor.logprob_remat=false (the config's: each chunk's logits kept for the backward)")
     args = p.parse_args(argv)
@@ -99,6 +102,7 @@ def main(argv=None) -> int:
         acfg = ActorConfig(ppo_micro_batch_size_per_device=rows, logprob_chunk_size=args.chunk,
                            logprob_remat=not args.keep_logits, optim=OptimConfig(lr=1e-6))
         engine = ActorEngine(module, mesh, acfg, args.seq // 2, trainable=is_adapter)
+        engine.micro_batch_loop = args.loop
         if args.tie:
             loss = engine._loss
 
@@ -113,7 +117,8 @@ def main(argv=None) -> int:
         temps[tokens] = mem.temps
         print(f"{args.shape} LoRA r={args.lora} remat={args.remat} unroll={args.unroll} "
               f"prevent_cse={args.prevent_cse} micro-batches={args.micro_batches} keep_logits={args.keep_logits} "
-              f"tie={args.tie}, {tokens} tokens ({rows} x {args.seq}): temporaries {mem.temps / 2**30:.2f} GiB, "
+              f"tie={args.tie} loop={args.loop}, {tokens} tokens ({rows} x {args.seq}): "
+              f"temporaries {mem.temps / 2**30:.2f} GiB, "
               f"arguments {mem.arguments / 2**30:.2f}, outputs {mem.outputs / 2**30:.2f}",
               flush=True)
     (a, ta), (b, tb) = sorted(temps.items())[:2]
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
         gib = 2**30
         figures = {"shape": args.shape, "lora_rank": args.lora, "remat": args.remat, "scan_unroll": args.unroll,
                    "dtype": args.dtype, "prevent_cse": args.prevent_cse, "micro_batches": args.micro_batches,
-                   "keep_logits": args.keep_logits, "tie": args.tie,
+                   "keep_logits": args.keep_logits, "tie": args.tie, "loop": args.loop,
                    "xla_flags": user_flags,
                    "temps_gb": {str(k): v / gib for k, v in sorted(temps.items())},
                    "fixed_gb": (ta - slope * a) / gib, "per_1024_tokens_gb": slope * 1024 / gib,
