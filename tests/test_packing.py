@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxppo.accumulate import micro_batch_count
 from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
 from jaxppo.engine import ActorEngine, CriticEngine
 from jaxppo.models import load_model
@@ -89,18 +90,33 @@ def test_forward_passes_match_padded(setup):
 # count; a constant); seq-mean-token-sum is seq-mean-token-mean's sequence count without the per-sequence one
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_updates_match_padded(tiny_qwen, mode):
-    mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
+    padded_against_packed(tiny_qwen, mode, {"data": 2})
+
+
+def test_packed_micro_batches_summed_by_the_host_match_the_padded_scan(tiny_qwen):
+    """model.micro_batch_loop=host on packed micro-batches (one program per micro-batch, indexed from the packed
+    mini-batch) gives the padded scan's update."""
+    padded_against_packed(tiny_qwen, "seq-mean-token-mean", {"data": 1}, packed_loop="host")
+
+
+def padded_against_packed(tiny_qwen, mode, shape, packed_loop="scan"):
+    n = int(np.prod(list(shape.values())))
+    mesh = make_mesh(shape, devices=jax.devices()[:n])
     (actor, params), (critic, cparams), cfg = engines(tiny_qwen, mesh, mode)
     batch = random_batch(cfg.vocab_size, 16, seed=1)
     out = {}
     for name in ("padded", "packed"):
+        if name == "packed":
+            actor.micro_batch_loop = critic.micro_batch_loop = packed_loop
+            actor._update_jit = critic._update_jit = None  # built again with the loop asked for
         a_state = actor.init_state(jax.tree.map(jnp.copy, params))  # updates donate their state
         c_state = critic.init_state(jax.tree.map(jnp.copy, cparams))
         if name == "padded":
             a_state, am = actor.update(a_state, actor.shard_batch(batch))
             c_state, cm = critic.update(c_state, critic.shard_batch(batch))
         else:
-            dev = actor.shard_packed(pack(batch, R, budget=24, shards=2))
+            dev = actor.shard_packed(pack(batch, R, budget=24, shards=actor.batch_shards))
+            assert micro_batch_count(actor, dev) > 1  # the loop really runs
             a_state, am = actor.update(a_state, dev)
             c_state, cm = critic.update(c_state, dev)
         out[name] = (jax.device_get(am), jax.device_get(cm), jax.device_get(a_state.params),
