@@ -1,7 +1,7 @@
 """Actor-update throughput: jaxppo (JAX) vs Hugging Face torch, same shapes, same call.
 
     python scripts/bench_update.py --model qwen2.5-0.5b,qwen2.5-1.5b --batch 8 --seq 1024 --steps 10 \
-        [--remat dots_attn --unroll 0 --head-remat 0] [--torch ckpt,nockpt,compile] [--lora 64]
+        [--remat dots_attn --unroll 0 --head-remat 0] [--torch ckpt,nockpt,compile] [--lora 64] [--loop scan,host]
 
 JAX: `jaxppo.engine.ActorEngine.update` (PPO clipped loss over the response half, chunked log-probs, fp32
 master weights + bf16 compute, cuDNN attention on GPU, AdamW). torch: a transformers model in bf16, sdpa
@@ -12,6 +12,8 @@ runs out of memory is reported as such. The headline ratio is JAX against the fa
 that ran. Random weights of the real shape. `--lora R[,R..]` adds JAX runs with LoRA adapters of rank R
 (alpha 2R, every projection; the base frozen in bf16), beside full fine-tuning in the same call: step time,
 peak memory and the bytes the train state holds (`state_gb`: trained parameters + AdamW + the frozen base).
+`--loop scan,host` runs each JAX configuration with each micro-batch loop (`model.micro_batch_loop`; with
+`--micro` below the batch: several micro-batches a step), side by side; `--no-full` leaves full fine-tuning out.
 
 Medians of `--steps` steps after a warm-up step (two for torch.compile). MFU is model FLOPs as computed
 (causal attention, the vocabulary head over the response positions only; jaxppo/perf.py) over the card's
@@ -69,6 +71,7 @@ def bench_jax(cfg, args, batch_np) -> dict:
     acfg = ActorConfig(ppo_micro_batch_size_per_device=args.micro or args.batch // jax.device_count(),
                        logprob_chunk_size=args.chunk, logprob_remat=bool(args.head_remat), optim=OptimConfig(lr=1e-6))
     engine = ActorEngine(module, mesh, acfg, args.seq // 2, trainable=is_adapter if r else None)
+    engine.micro_batch_loop = args.loop
     state = engine.init_state(params)
     del params
     state_gb = held_bytes((state.params, state.opt_state, engine.frozen)) / 2**30
@@ -159,7 +162,7 @@ def in_subprocess(fw: str, name: str, args, variant: str = "") -> dict:
            str(args.seq), "--steps", str(args.steps), "--micro", str(args.micro), "--chunk", str(args.chunk),
            "--remat", args.remat, "--unroll", str(args.unroll), "--torch-variant", variant or "ckpt",
            "--head-remat", str(args.head_remat), "--lora-rank", str(getattr(args, "lora_rank", 0)),
-           "--workdir", args.workdir]
+           "--loop", getattr(args, "current_loop", "scan"), "--workdir", args.workdir]
     cmd += ["--profile", args.profile] if args.profile else []
     res = subprocess.run(cmd, capture_output=True, text=True)
     lines = res.stdout.splitlines()
@@ -187,6 +190,8 @@ def main(argv=None) -> int:
     p.add_argument("--torch", default="ckpt,nockpt,compile",
                    help="torch configurations (comma list of ckpt, nockpt, compile; empty: JAX only)")
     p.add_argument("--lora", default="", help="JAX: also run with LoRA adapters of these ranks (comma list)")
+    p.add_argument("--loop", default="scan", help="JAX: micro-batch loops to run (comma list of scan, host)")
+    p.add_argument("--no-full", action="store_true", help="JAX: LoRA runs only (no full fine-tuning)")
     p.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)  # internal
     p.add_argument("--only", choices=["jax", "torch"], default=None, help=argparse.SUPPRESS)  # internal
     p.add_argument("--torch-variant", default="ckpt", help=argparse.SUPPRESS)  # internal
@@ -209,26 +214,32 @@ def main(argv=None) -> int:
         resp = args.seq // 2
         batch = synthetic_batch(cfg, args.batch, args.seq, resp)
         if args.only:
+            args.loop = args.loop.split(",")[0]
             run = bench_jax if args.only == "jax" else bench_torch
             print("RESULT " + json.dumps(run(cfg, args, batch)), flush=True)
             return 0
         tokens = args.batch * args.seq
         flops = step_flops(flops_model(cfg), np.full(args.batch, args.seq), np.full(args.batch, resp))
-        args.lora_rank = 0
-        results = {"jax": in_subprocess("jax", name, args)}
-        for rank in [int(x) for x in args.lora.split(",") if x]:
-            args.lora_rank = rank
-            results[f"jax:lora{rank}"] = in_subprocess("jax", name, args)
-        args.lora_rank = 0
+        results = {}
+        loops = args.loop.split(",")
+        for rank in ([] if args.no_full else [0]) + [int(x) for x in args.lora.split(",") if x]:
+            for loop in loops:
+                args.lora_rank, args.current_loop = rank, loop
+                key = "jax" + (f":lora{rank}" if rank else "") + (f"+{loop}" if loop != loops[0] else "")
+                results[key] = in_subprocess("jax", name, args)
+        args.lora_rank, args.current_loop = 0, loops[0]
         for v in variants:
             results[f"torch:{v}"] = in_subprocess("torch", name, args, v)
         jax_remat = args.remat + (f", unroll {args.unroll or 'all'}" if args.unroll != 1 else "") + \
             ("" if args.head_remat else ", head kept")
         labels = {"ckpt": "checkpointing", "nockpt": "no checkpointing", "compile": "torch.compile, no checkpointing"}
         for fw, r in results.items():
-            kind = fw.split(":")[1] if ":" in fw else ""
-            config = labels.get(kind) or f"remat {jax_remat}" + (f", LoRA r={kind[4:]}" if kind.startswith("lora") else "")
-            row = {"model": name, "framework": fw.split(":")[0], "config": config, "batch": args.batch,
+            fw_loop = fw.split("+")
+            kind = fw_loop[0].split(":")[1] if ":" in fw_loop[0] else ""
+            loop = fw_loop[1] if len(fw_loop) > 1 else (loops[0] if fw.startswith("jax") else "")
+            lora = f", LoRA r={kind[4:]}" if kind.startswith("lora") else ""
+            config = labels.get(kind) or f"remat {jax_remat}{lora}" + (f", {loop} loop" if len(loops) > 1 else "")
+            row = {"model": name, "framework": fw.split(":")[0].split("+")[0], "config": config, "batch": args.batch,
                    "seq": args.seq, "device": jax.devices()[0].device_kind, **r}
             if "step_s" in r:
                 f = step_flops(flops_model(cfg, lora=LoraSpec(int(kind[4:]), 1.0)), np.full(args.batch, args.seq),
@@ -237,16 +248,18 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row))
         ran = {fw: r for fw, r in results.items() if fw.startswith("torch") and "step_s" in r}
-        figures = {"jax_tokens_per_s": tokens / results["jax"]["step_s"], "jax_mfu": rows[-len(results)]["mfu"],
-                   "jax_peak_mem_gb": results["jax"]["peak_mem_gb"], "jax_state_gb": results["jax"]["state_gb"]}
+        figures = {}
+        if "step_s" in results.get("jax", {}):
+            figures = {"jax_tokens_per_s": tokens / results["jax"]["step_s"], "jax_mfu": rows[-len(results)]["mfu"],
+                       "jax_peak_mem_gb": results["jax"]["peak_mem_gb"], "jax_state_gb": results["jax"]["state_gb"]}
         for fw, r in results.items():
-            if fw.startswith("jax:"):  # LoRA beside full fine-tuning
-                key = fw.split(":")[1]
+            if fw.startswith("jax") and fw != "jax":  # LoRA beside full fine-tuning, other loops
+                key = fw[4:].replace("+", "_")
                 figures.update({f"jax_{key}_{k}": r[k] for k in ("step_s", "peak_mem_gb", "state_gb") if k in r})
             elif fw != "jax":
                 key = fw.split(":")[1]
                 figures[f"torch_{key}_tokens_per_s"] = tokens / r["step_s"] if "step_s" in r else r.get("error")
-        if ran:
+        if ran and "step_s" in results.get("jax", {}):
             best = min(ran, key=lambda k: ran[k]["step_s"])
             figures["torch_best"] = best.split(":")[1]
             figures["jax_over_torch_best"] = ran[best]["step_s"] / results["jax"]["step_s"]
@@ -255,7 +268,8 @@ def main(argv=None) -> int:
             from scripts import ledger
 
             row = ledger.make_row("update", figures, samples={"steps": args.steps}, model=name, batch=args.batch,
-                                  seq=args.seq, jax_config=jax_remat, peak_tflops=peak / 1e12)
+                                  seq=args.seq, jax_config=jax_remat, peak_tflops=peak / 1e12, micro=args.micro,
+                                  loops=loops)
             print(f"ledger: {ledger.append(row, args.ledger)}")
     print(f"\n{'model':14} {'fw':6} {'config':34} {'step_s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8}")
     for r in rows:

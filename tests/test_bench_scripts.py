@@ -154,6 +154,19 @@ def test_bench_update_prints_jax_and_torch_configurations(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_update_runs_each_micro_batch_loop_side_by_side(tmp_path):
+    led = tmp_path / "results.jsonl"
+    res = run_script("bench_update.py", "--model", "tiny", "--batch", "4", "--seq", "32", "--steps", "2", "--chunk", "8",
+                     "--micro", "1", "--torch", "", "--lora", "8", "--no-full", "--loop", "scan,host", "--ledger",
+                     str(led), "--workdir", str(tmp_path / "w"))
+    assert "LoRA r=8, scan loop" in res.stdout and "LoRA r=8, host loop" in res.stdout
+    row = ledger.read(led)[-1]
+    assert row["loops"] == ["scan", "host"] and row["micro"] == 1
+    f = row["figures"]
+    assert f["jax_lora8_step_s"] > 0 and f["jax_lora8_host_step_s"] > 0 and "jax_step_s" not in f
+
+
+@pytest.mark.slow
 def test_bench_packing_runs_on_cpu(tmp_path):
     out = tmp_path / "p.json"
     res = run_script("bench_packing.py", "--model", "tiny", "--seqs", "8", "--micro", "2", "--budget", "512",
