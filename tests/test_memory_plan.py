@@ -202,11 +202,15 @@ def test_plan_only_exits_0_or_2_and_creates_nothing(tmp_path, capsys, one_device
     assert not run.exists() and not staged, staged  # no run directory, no staged data left
 
 
-@pytest.mark.parametrize("extra", [[], ["actor.lora_rank=8"]], ids=["full", "lora"])
-def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(tmp_path, one_device, extra):
+@pytest.mark.parametrize("extra, n_programs", [([], 4), (["actor.lora_rank=8"], 5),
+                                               (["model.micro_batch_loop=host", "actor.lora_rank=8"], 9)],
+                         ids=["full", "lora", "lora_host_loop"])
+def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(tmp_path, one_device, extra,
+                                                                                n_programs):
     """XLA's own compile events, by program: each of the step's programs is compiled once per argument signature
     (the plan's executables are the ones the steps call: no second compile of the same program); under LoRA the
-    reference's own program (the base module) among them."""
+    reference's own program (the base module) among them; with the host's micro-batch loop each update is three
+    programs (the empty sum, one micro-batch, the optimizer step), all compiled by the plan."""
     from jax._src import monitoring
 
     from jaxppo.train import make_engine_factory
@@ -225,7 +229,7 @@ def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(
                            "trainer.total_training_steps=2", "trainer.test_freq=-1", "actor.use_kl_loss=true", *extra])
         with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
             programs = [p for e in (trainer.actor, trainer.critic) for p in e.programs()]
-            assert len(programs) == 4 + bool(extra)  # the forwards and updates, and LoRA's reference
+            assert len(programs) == n_programs  # the forwards and updates, and LoRA's reference
             planned = {p.name: p.compiles() for p in programs}
             assert all(planned.values()), planned  # every program compiled by the plan, before any state existed
             trainer.fit()
