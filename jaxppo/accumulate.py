@@ -50,7 +50,11 @@ def _reduce_grad(g: jax.Array, spec: P, dtype: Any) -> jax.Array:
     return jax.lax.psum(g, "data").astype(out)
 
 
-def _norms(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _norms(minibatch: Batch) -> tuple[jax.Array, jax.Array]:
+    """The mini-batch's response tokens and sequences, which every micro-batch's loss is normalised by."""
+    mask = minibatch["response_mask"]
+    if "seq_count" in minibatch:  # packed rows are not sequences
+        return jnp.sum(mask), jnp.sum(minibatch["seq_count"])
     return jnp.sum(mask), jnp.sum(jnp.any(mask > 0, axis=-1))
 
 
@@ -60,9 +64,7 @@ def minibatch_gradients(engine: Any, loss_fn: Callable, params: Any, minibatch: 
     arrives already split into micro-batches. `extra` (e.g. the reference parameters of the exact-KL loss)
     reaches every micro-batch's loss unchanged."""
     micro = engine._micro_batches(minibatch, engine.micro_batch_per_device)
-    num_tokens, num_seqs = _norms(minibatch["response_mask"])
-    if "seq_count" in minibatch:  # packed rows are not sequences
-        num_seqs = jnp.sum(minibatch["seq_count"])
+    num_tokens, num_seqs = _norms(minibatch)
     # jitted inside the program: the first micro-batch's call and the scan's body share one trace of the model's
     # forward and backward (jit keeps traces by argument types) and one lowered function (XLA inlines it)
     grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
@@ -142,9 +144,7 @@ def apply_step(engine: Any, state: Any, sums: tuple[Any, jax.Array, dict]) -> tu
 def _micro_value_and_grad(engine: Any, loss_fn: Callable, params: Any, minibatch: Batch, i: Any, extra: Any):
     """((loss, metrics), gradients) of micro-batch `i` of `minibatch`, normalised by the mini-batch's counts."""
     micro = engine._micro_batches(minibatch, engine.micro_batch_per_device)
-    num_tokens, num_seqs = _norms(minibatch["response_mask"])
-    if "seq_count" in minibatch:
-        num_seqs = jnp.sum(minibatch["seq_count"])
+    num_tokens, num_seqs = _norms(minibatch)
     mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
     return jax.value_and_grad(loss_fn, has_aux=True)(params, mb, num_tokens, num_seqs, extra)
 
