@@ -71,8 +71,9 @@ queue() {
   # forward's and the backward's gemm; outside the loop the slice is fused into the gemm); ~4 min, no vLLM
   # lora7b_buffers_host: the same four-micro-batch compile with the micro-batch loop on the host
   # (model.micro_batch_loop=host: one program per micro-batch; on CPU its temporaries are one micro-batch's, 1.71 GiB at
-  # none against the scan's 3.61 at 0.5B, 2026-12-07); lora7b_bypass_host / lora7b_host: the 7B LoRA configs so (the
-  # plan's update budget was 2048 tokens with the scan's copy of the weights)
+  # none against the scan's 3.61 at 0.5B, 2026-12-07; run on an H100 the same day: 0.26 GiB at none against the scan's
+  # 12.81); lora7b_bypass_host / lora7b_host: the 7B LoRA configs so (the plan's update budget on an H100 was 2048
+  # tokens with the scan's copy of the weights)
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
   # H200, 2026-11-30; thought moot when one micro-batch's compile on an H100 held more with the loop than unrolled,
