@@ -134,7 +134,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
                         trainable=is_adapter if actor_lora.rank else None)
     # the health guards are part of the compiled update (jaxppo/health.py): set before the plan compiles it
     actor.guards = update_guards(cfg.trainer.health, "actor")
-    actor.micro_batch_loop = critic_loop = cfg.model.micro_batch_loop  # before the update is built
+    actor.micro_batch_loop = cfg.model.micro_batch_loop  # the update's micro-batch loop (jaxppo/accumulate.py)
     actor.optimizer_offload = a.optimizer_offload  # before the state's shardings are made (jaxppo/offload.py)
     # verl's bypass mode: the policy loss corrects the rollout's gap itself (jaxppo/ppo/bypass.py)
     actor.bypass = cfg.algorithm.rollout_correction if cfg.algorithm.rollout_correction.bypass_mode else None
@@ -155,7 +155,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
                               trainable=(lambda p: is_adapter(p) or p[0] == "score") if critic_lora.rank else None)
         critic.guards = update_guards(cfg.trainer.health, "critic")
         critic.optimizer_offload = c.optimizer_offload
-        critic.micro_batch_loop = critic_loop
+        critic.micro_batch_loop = cfg.model.micro_batch_loop
         critic_state, critic_frozen = critic.abstract_state(abstract_of(critic_module, mesh))
     return Build(cfg, mesh, actor_cfg, critic_cfg if critic is not None else None, actor, critic, actor_lora,
                  critic_lora, actor_state, actor_frozen, critic_state, critic_frozen, ref)
