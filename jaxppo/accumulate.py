@@ -178,7 +178,7 @@ class HostLoop:
 
     def __init__(self, engine: Any, loss_fn: Callable, shardings: Any, name: str):
         whole = NamedSharding(engine.mesh, P())
-        self.engine, self.loss_fn, self.shardings = engine, loss_fn, shardings
+        self.engine, self.loss_fn = engine, loss_fn
         self.sum_shardings = (shardings.params, whole, whole)
         kw = dict(keep_unused=True)
         self.zeros = Program(lambda s, b, e: zero_sums(engine, loss_fn, s, b, e), name=f"{name} (empty sum)",

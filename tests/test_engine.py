@@ -82,13 +82,15 @@ def test_micro_batch_invariance(tiny_qwen, reference, mode):
 def test_micro_batches_summed_by_the_host_give_the_scans_update(tiny_qwen, reference, shape):
     """model.micro_batch_loop=host (one program per micro-batch, the sum donated from one to the next, then the
     optimizer step): eight micro-batches of one row give the update of one micro-batch of eight, on one device and
-    where the partitioner places the gradients (fsdp gathered per layer, tensor parallelism); refused where
-    gradients are summed per device."""
-    from jaxppo.errors import ConfigError
-
+    where the partitioner places the gradients (fsdp gathered per layer, tensor parallelism)."""
     devices = jax.devices()[:1] if shape == {"data": 1} else None
     out = run_case(tiny_qwen, make_mesh(shape, devices=devices), micro_per_device=1, micro_batch_loop="host")
     assert_same(out, reference)
+
+
+def test_the_host_micro_batch_loop_is_refused_where_gradients_are_summed_per_device(tiny_qwen):
+    from jaxppo.errors import ConfigError
+
     mesh = make_mesh({"data": 8})
     module, params, cfg = load_model(tiny_qwen, mesh=mesh)
     engine = ActorEngine(module, mesh, ActorConfig(ppo_micro_batch_size_per_device=1), R_LEN)

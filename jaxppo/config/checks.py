@@ -411,11 +411,12 @@ def _check_mesh(cfg: Config, num_devices: int) -> None:
     d, r = cfg.data, cfg.rollout
     sizes = resolve_mesh_shape(cfg.mesh.axes(), num_devices)
     batch_shards = sizes["data"] * sizes["fsdp"]
-    _check(cfg.mesh.grad_reduce_dtype == "float32" or sizes["tensor"] == 1 and (
-        sizes["fsdp"] == 1 or cfg.mesh.fsdp_gather == "update") and batch_shards > 1,
-        f"mesh.grad_reduce_dtype={cfg.mesh.grad_reduce_dtype} applies where each device holds whole parameters "
-        f"(mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this mesh is {sizes}")
+    # each device holds whole parameters and sums its gradients over the micro-batches (engine.parallel_mode's
+    # local accumulation)
     local_sums = batch_shards > 1 and sizes["tensor"] == 1 and (sizes["fsdp"] == 1 or cfg.mesh.fsdp_gather == "update")
+    _check(cfg.mesh.grad_reduce_dtype == "float32" or local_sums,
+           f"mesh.grad_reduce_dtype={cfg.mesh.grad_reduce_dtype} applies where each device holds whole parameters "
+           f"(mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this mesh is {sizes}")
     _check(cfg.model.micro_batch_loop != "host" or not local_sums,
            f"model.micro_batch_loop=host needs gradients that are not summed per device over the micro-batches (one "
            f"device, or fsdp gathered per layer); this mesh is {sizes} with mesh.fsdp_gather={cfg.mesh.fsdp_gather}: "
