@@ -9,7 +9,11 @@ Two ways to run the micro-batch loop (`model.micro_batch_loop`):
   per micro-batch, then one program for the optimizer step: no loop inside XLA's program. In a loop XLA keeps
   per-iteration copies a single micro-batch's program does not (on the GPU, the 7B LoRA update at four
   micro-batches sliced every layer's weights out of the stacked arrays into buffers of their own, ~12 GiB; on the
-  CPU it hoists float32 copies of them out of the loop); the host loop compiles what one micro-batch needs.
+  CPU it hoists float32 copies of them out of the loop); the host loop compiles what one micro-batch needs. Where
+  each device holds whole parameters the sum is kept per device between the programs (a leading axis over the
+  devices) and reduced across devices once, in the optimizer step's program, as the scan does after its loop;
+  gather-once fsdp gathers the compute-dtype copy once, in the empty sum's program, and hands it to every
+  micro-batch's.
 """
 
 from __future__ import annotations
@@ -149,18 +153,58 @@ def _micro_value_and_grad(engine: Any, loss_fn: Callable, params: Any, minibatch
     return jax.value_and_grad(loss_fn, has_aux=True)(params, mb, num_tokens, num_seqs, extra)
 
 
+PER_DEVICE = P(("data", "fsdp"))  # the host loop's per-device sums: a leading axis, one entry per device
+
+
 def zero_sums(engine: Any, loss_fn: Callable, state: Any, minibatch: Batch, extra: Any = None):
-    """The host loop's empty sum: zeros shaped as one micro-batch's (gradients, loss, metrics)."""
+    """The host loop's start: (empty sum, the parameters it computes with). The sum is zeros shaped as one
+    micro-batch's (gradients, loss, metrics), with a leading axis over the devices where each sums its own
+    (`engine.local_accumulation`); the parameters are the gathered compute-dtype copy under gather-once fsdp, else
+    None (the state's own are used)."""
     shapes = jax.eval_shape(lambda: _micro_value_and_grad(engine, loss_fn, state.params, minibatch, 0, extra))
-    (loss, metrics), grads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return grads, loss, metrics
+    lead = (engine.batch_shards,) if engine.local_accumulation else ()
+    (loss, metrics), grads = jax.tree.map(lambda s: jnp.zeros(lead + s.shape, s.dtype), shapes)
+    return (grads, loss, metrics), (engine._gathered(state.params) if engine.gather_once else None)
 
 
-def add_micro_batch(engine: Any, loss_fn: Callable, state: Any, sums: Any, minibatch: Batch, i: jax.Array,
+def add_micro_batch(engine: Any, loss_fn: Callable, state: Any, sums: Any, copy: Any, minibatch: Batch, i: jax.Array,
                     extra: Any = None):
-    """The host loop's body: micro-batch `i`'s (gradients, loss, metrics) added to `sums` (donated)."""
-    (loss, metrics), grads = _micro_value_and_grad(engine, loss_fn, state.params, minibatch, i, extra)
-    return jax.tree.map(jnp.add, sums, (grads, loss, metrics))
+    """The host loop's body: micro-batch `i`'s (gradients, loss, metrics) added to `sums` (donated); where each
+    device sums its own, inside shard_map as the scan's loop is (`minibatch_gradients`)."""
+    if not engine.local_accumulation:
+        (loss, metrics), grads = _micro_value_and_grad(engine, loss_fn, state.params, minibatch, i, extra)
+        return jax.tree.map(jnp.add, sums, (grads, loss, metrics))
+    micro = engine._micro_batches(minibatch, engine.micro_batch_per_device)
+    num_tokens, num_seqs = _norms(minibatch)
+    dtypes = jax.tree.map(lambda p: p.dtype, state.params)
+
+    def local(params, micro, num_tokens, num_seqs, extra, sums, i):
+        params = jax.tree.map(lambda p, d: p.astype(d), params, dtypes)  # as the scan: gradients in the master dtype
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), micro)
+        with nn.logical_axis_rules(()):  # inside: per-device arrays, no sharding constraints
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, num_tokens, num_seqs,
+                                                                               extra)
+        return jax.tree.map(lambda acc, x: acc + x[None], sums, (grads, loss, metrics))
+
+    per_device = jax.tree.map(lambda _: PER_DEVICE, sums)
+    micro_specs = jax.tree.map(lambda x: P(None, ("data", "fsdp")), micro)
+    return jax.shard_map(
+        local, mesh=engine.mesh, in_specs=(P(), micro_specs, P(), P(), P(), per_device, P()), out_specs=per_device,
+        check_vma=False,
+    )(state.params if copy is None else copy, micro, num_tokens, num_seqs, extra, sums, i)
+
+
+def reduce_sums(engine: Any, sums: Any) -> tuple[Any, jax.Array, dict]:
+    """The host loop's per-device sums -> the mini-batch's (gradients in the parameters' shardings, loss, metrics):
+    each device's gradient sum reduced across devices once (`_reduce_grad`, as after the scan's loop)."""
+    if not engine.local_accumulation:
+        return sums
+    grads, loss, metrics = sums
+    specs, dtype = engine._param_specs, jnp.dtype(engine.grad_reduce_dtype)
+    reduce = lambda g: jax.tree.map(lambda x, s: _reduce_grad(x[0], s, dtype), g, specs)  # noqa: E731
+    grads = jax.shard_map(reduce, mesh=engine.mesh, in_specs=(jax.tree.map(lambda _: PER_DEVICE, grads),),
+                          out_specs=specs, check_vma=False)(grads)
+    return grads, jnp.sum(loss, axis=0), jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
 
 def micro_batch_count(engine: Any, minibatch: dict) -> int:
@@ -172,45 +216,55 @@ def micro_batch_count(engine: Any, minibatch: dict) -> int:
 
 class HostLoop:
     """The update with the micro-batch loop on the host (`model.micro_batch_loop=host`), called as the scan's one
-    program is: the empty sum, then one program per micro-batch adding its (gradients, loss, metrics) into the sum
-    (donated), then the optimizer step. Every program takes the whole state, the mini-batch's arguments and the
-    loss's extra arguments, read or not, so XLA's memory of each counts the same resident arguments."""
+    program is: the empty sum (and, under gather-once fsdp, the gathered parameters), then one program per
+    micro-batch adding its (gradients, loss, metrics) into the sum (donated), then the optimizer step (the devices'
+    sums reduced first where each sums its own). Every program takes the whole state, the mini-batch's arguments and
+    the loss's extra arguments, read or not, so XLA's memory of each counts the same resident arguments."""
 
     def __init__(self, engine: Any, loss_fn: Callable, shardings: Any, name: str):
-        whole = NamedSharding(engine.mesh, P())
+        mesh, whole = engine.mesh, NamedSharding(engine.mesh, P())
         self.engine, self.loss_fn = engine, loss_fn
-        self.sum_shardings = (shardings.params, whole, whole)
+        if engine.local_accumulation:  # prefixes: every leaf of the sum per device
+            per_device = NamedSharding(mesh, PER_DEVICE)
+            self.sum_shardings = (per_device, per_device, per_device)
+        else:
+            self.sum_shardings = (shardings.params, whole, whole)
+        self.copy_shardings = (jax.tree.map(lambda s: NamedSharding(mesh, _without(s, "fsdp")), engine._param_specs)
+                               if engine.gather_once else None)
         kw = dict(keep_unused=True)
         self.zeros = Program(lambda s, b, e: zero_sums(engine, loss_fn, s, b, e), name=f"{name} (empty sum)",
-                             out_shardings=self.sum_shardings, **kw)
+                             out_shardings=(self.sum_shardings, self.copy_shardings), **kw)
         # named as the scan's program: the one that runs at the phase's token budget
-        self.micro = Program(lambda s, acc, b, i, e: add_micro_batch(engine, loss_fn, s, acc, b, i, e), name=name,
-                             donate_argnums=(1,), out_shardings=self.sum_shardings, **kw)
-        self.apply = Program(lambda s, acc, e: apply_step(engine, s, acc), name=f"{name} (optimizer step)",
-                             donate_argnums=(0,), out_shardings=(shardings, None), **kw)
+        self.micro = Program(lambda s, acc, c, b, i, e: add_micro_batch(engine, loss_fn, s, acc, c, b, i, e),
+                             name=name, donate_argnums=(1,), out_shardings=self.sum_shardings, **kw)
+        self.apply = Program(lambda s, acc, e: apply_step(engine, s, reduce_sums(engine, acc)),
+                             name=f"{name} (optimizer step)", donate_argnums=(0,), out_shardings=(shardings, None),
+                             **kw)
 
     def programs(self) -> list[Program]:
         return [self.zeros, self.micro, self.apply]
 
     def __call__(self, state: Any, minibatch: Batch, extra: Any) -> tuple[Any, dict]:
-        sums = self.zeros(state, minibatch, extra)
+        sums, copy = self.zeros(state, minibatch, extra)
         for i in range(micro_batch_count(self.engine, minibatch)):
-            sums = self.micro(state, sums, minibatch, np.int32(i), extra)
+            sums = self.micro(state, sums, copy, minibatch, np.int32(i), extra)
         return self.apply(state, sums, extra)
 
-    def _abstract_sums(self, state: Any, minibatch: Batch, extra: Any) -> Any:
-        grads, loss, metrics = jax.eval_shape(lambda s, b, e: zero_sums(self.engine, self.loss_fn, s, b, e), state,
-                                              minibatch, extra)
+    def _abstract_start(self, state: Any, minibatch: Batch, extra: Any) -> tuple[Any, Any]:
+        """(sums, copy) as ShapeDtypeStructs in the shardings the empty sum's program gives them."""
+        sums, copy = jax.eval_shape(lambda s, b, e: zero_sums(self.engine, self.loss_fn, s, b, e), state,
+                                    minibatch, extra)
         sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
-        whole = self.sum_shardings[1]
-        return (jax.tree.map(sds, grads, self.sum_shardings[0]), sds(loss, whole),
-                jax.tree.map(lambda m: sds(m, whole), metrics))
+        # the shardings are prefixes of the sums' tree (one for all metrics): broadcast them to its leaves
+        sums = tuple(jax.tree.map(lambda sh, t: jax.tree.map(lambda x: sds(x, sh), t), sh, t)
+                     for sh, t in zip(self.sum_shardings, sums))
+        return sums, (None if copy is None else jax.tree.map(sds, copy, self.copy_shardings))
 
     def _memories(self, how: str, state: Any, minibatch: Batch, extra: Any) -> Memory:
-        sums = self._abstract_sums(state, minibatch, extra)
+        sums, copy = self._abstract_start(state, minibatch, extra)
         i = jax.ShapeDtypeStruct((), np.int32)
         mems = [getattr(self.zeros, how)(state, minibatch, extra),
-                getattr(self.micro, how)(state, sums, minibatch, i, extra),
+                getattr(self.micro, how)(state, sums, copy, minibatch, i, extra),
                 getattr(self.apply, how)(state, sums, extra)]
         # each program's arguments hold the same resident ones (keep_unused): the largest beside them is the phase's
         return max(mems, key=lambda m: m.beside(0))
@@ -227,4 +281,4 @@ class HostLoop:
 
 
 __all__ = ["HostLoop", "minibatch_gradients", "optimizer_step", "apply_step", "zero_sums", "add_micro_batch",
-           "micro_batch_count"]
+           "reduce_sums", "micro_batch_count"]

@@ -351,10 +351,6 @@ class _Base(DeviceBatches):
         self.opt_shardings = shardings.opt_state
         self._remember_specs(state.params)
         if self.micro_batch_loop == "host":
-            if self.local_accumulation:
-                raise ConfigError("model.micro_batch_loop=host runs where gradients are not summed per device "
-                                  f"(one device, or fsdp gathered per layer); this mesh is {dict(self.mesh.shape)}: "
-                                  "use model.micro_batch_loop=scan")
             return HostLoop(self, loss_fn, shardings, name)
         return Program(lambda s, b, e: optimizer_step(self, loss_fn, s, b, e), name=name, donate_argnums=(0,),
                        out_shardings=(shardings, None))

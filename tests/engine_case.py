@@ -36,8 +36,10 @@ def make_batch(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def run_case(ckpt, mesh, micro_per_device: int, mode: str = "token-mean", use_kl_loss: bool = True,
              process_rows: slice | None = None, fsdp_gather: str = "layer",
-             grad_reduce_dtype: str = "float32", micro_batch_loop: str = "scan") -> dict[str, np.ndarray]:
-    """One actor and one critic update; returns losses, grad norms and updated parameters on the host."""
+             grad_reduce_dtype: str = "float32", micro_batch_loop: str = "scan",
+             engines: list | None = None) -> dict[str, np.ndarray]:
+    """One actor and one critic update; returns losses, grad norms and updated parameters on the host (`engines`:
+    a list the two engines are appended to)."""
     # eps=1e-3: Adam maps a near-zero gradient to +-lr whatever its rounding, which would hide real
     # differences behind sign noise; with a larger eps parameter updates are proportional to gradients.
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0, eps=1e-3)
@@ -69,4 +71,6 @@ def run_case(ckpt, mesh, micro_per_device: int, mode: str = "token-mean", use_kl
     out["logprobs"], out["entropy"], out["values"] = gather(logprobs), gather(entropy), gather(values)
     out["actor_params"] = jax.tree.map(gather, state.params)
     out["critic_params"] = jax.tree.map(gather, cstate.params)
+    if engines is not None:
+        engines.extend([actor, critic])
     return out

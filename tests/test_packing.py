@@ -93,10 +93,11 @@ def test_updates_match_padded(tiny_qwen, mode):
     padded_against_packed(tiny_qwen, mode, {"data": 2})
 
 
-def test_packed_micro_batches_summed_by_the_host_match_the_padded_scan(tiny_qwen):
+@pytest.mark.parametrize("shape", [{"data": 1}, {"data": 2}], ids=["1dev", "data2"])
+def test_packed_micro_batches_summed_by_the_host_match_the_padded_scan(tiny_qwen, shape):
     """model.micro_batch_loop=host on packed micro-batches (one program per micro-batch, indexed from the packed
-    mini-batch) gives the padded scan's update."""
-    padded_against_packed(tiny_qwen, "seq-mean-token-mean", {"data": 1}, packed_loop="host")
+    mini-batch) gives the padded scan's update, on one device and where each device sums its own rows."""
+    padded_against_packed(tiny_qwen, "seq-mean-token-mean", shape, packed_loop="host")
 
 
 def padded_against_packed(tiny_qwen, mode, shape, packed_loop="scan"):

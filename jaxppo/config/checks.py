@@ -417,10 +417,6 @@ def _check_mesh(cfg: Config, num_devices: int) -> None:
     _check(cfg.mesh.grad_reduce_dtype == "float32" or local_sums,
            f"mesh.grad_reduce_dtype={cfg.mesh.grad_reduce_dtype} applies where each device holds whole parameters "
            f"(mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this mesh is {sizes}")
-    _check(cfg.model.micro_batch_loop != "host" or not local_sums,
-           f"model.micro_batch_loop=host needs gradients that are not summed per device over the micro-batches (one "
-           f"device, or fsdp gathered per layer); this mesh is {sizes} with mesh.fsdp_gather={cfg.mesh.fsdp_gather}: "
-           "use model.micro_batch_loop=scan")
     seqs_step = d.train_batch_size * r.n
     for name, sub in trained_models(cfg):
         micro = sub.ppo_micro_batch_size_per_device * batch_shards

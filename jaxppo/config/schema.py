@@ -50,8 +50,8 @@ class ModelConfig:
     scan_unroll: int = 1
     # the update's micro-batch loop: scan (inside the update's one program) | host (one program per micro-batch
     # called from the host, then the optimizer step: a loop in XLA's program can hold per-iteration copies of the
-    # weights that one micro-batch's program does not); host needs gradients not summed per device (one device, or
-    # fsdp gathered per layer)
+    # weights that one micro-batch's program does not; every mesh: where each device sums its own gradients the
+    # sum kept between the programs is per device, reduced in the optimizer step's)
     micro_batch_loop: str = "scan"
     # embedded default model shape (when path is None)
     tiny_hidden_size: int = 128  # hidden size of the embedded default model
