@@ -70,9 +70,8 @@ class Build:
             else:
                 out["critic (weights + AdamW)" if not self.offloaded(self.critic_state)
                     else "critic (weights; AdamW in host memory)"] = device_bytes(self.critic_state)
-        if self.ref is not None:
-            out["reference" + (" (zero adapters: the base)" if self.actor_frozen is not None
-                               else " (compute dtype)")] = device_bytes(self.ref)
+        if self.ref is not None and self.actor_frozen is None:  # under LoRA the base: nothing of its own
+            out["reference (compute dtype)"] = device_bytes(self.ref)
         return out
 
     @staticmethod
@@ -144,8 +143,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, actor_cfg: ModelConfig, critic_c
     ref = None
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         compute = DTYPES[cfg.model.dtype]
-        ref = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype if actor_lora.rank else compute,
-                                                          sharding=x.sharding), actor_state.params)
+        # under LoRA the reference is the base module on the frozen weights: no arrays of its own (jaxppo/start.py)
+        ref = {} if actor_lora.rank else jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, compute, sharding=x.sharding), actor_state.params)
     critic = critic_state = critic_frozen = None
     if uses_critic(cfg):
         critic_module = build_model(critic_cfg, "value", score_bias=critic_score_bias(cfg.model.critic_path),

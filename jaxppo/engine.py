@@ -31,7 +31,7 @@ from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticCo
 from jaxppo.accumulate import HostLoop, _without, minibatch_gradients, optimizer_step
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
-from jaxppo.models.lora import LoraSpec
+from jaxppo.models.lora import LoraSpec, zeros_like_adapters
 from jaxppo.ppo.bypass import bypass_policy_loss
 from jaxppo.ppo.policy_losses import compute_policy_loss
 from jaxppo.programs import Memory, Program
@@ -445,17 +445,17 @@ class ActorEngine(_Base):
 
     def ref_logprobs(self, ref_params: Any, batch: Batch) -> jax.Array:
         """The reference policy's response log-probs, as `logprobs(ref_params, batch)[0]`. Under LoRA the reference
-        is the base (`ref_params` the adapters zeroed), so it runs the module without adapters on the frozen
-        weights alone: the same log-probs without every projection's two rank-r matmuls and add on zeros."""
+        is the base (`ref_params` unread: the run passes {}), so it runs the module without adapters on the frozen
+        weights alone: the log-probs of the adapters zeroed, without every projection's two rank-r matmuls and add
+        on zeros."""
         if self.frozen is None:
             return self.logprobs(ref_params, batch)[0]
         with self._ctx():
             return self.base_program(ref_params)(ref_params, self.frozen, batch)
 
     def base_program(self, params: Any) -> Program:
-        """The base module's log-probs (LoRA's reference): `fn(adapters, frozen, batch)`, the adapters unread (they
-        keep the forward's micro-batch mapping and argument layout; XLA drops them)."""
-        self._remember_specs(params)
+        """The base module's log-probs (LoRA's reference): `fn(adapters, frozen, batch)`, the adapters unread (the
+        run passes {}; XLA drops any)."""
         if self._base_jit is None:
             base = self.module.clone(lora=LoraSpec())
 
@@ -493,6 +493,8 @@ class ActorEngine(_Base):
         norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=c.loss_scale_factor or self.response_length,
                     token_weight=mb.get("token_weight"))
         frozen, ref = (extra or {}).get("frozen"), (extra or {}).get("ref")
+        if self.full_kl and ref is not None and frozen is not None:  # LoRA: the reference is the adapters zeroed
+            ref = zeros_like_adapters(params)
         ref_full = self.full(ref, frozen) if (self.full_kl and ref is not None) else None
         out = self._head(self.full(params, frozen), mb, ref_params=ref_full)
         logprob, entropy = out["logprobs"], out["entropy"]

@@ -21,7 +21,6 @@ from jaxppo.build import Build, build, model_configs, model_kwargs, with_lora
 from jaxppo.config import Config, uses_critic
 from jaxppo.data import ResumableSampler
 from jaxppo.models import load_model
-from jaxppo.models.lora import zeros_like_adapters
 from jaxppo.plan import Plan, make_plan
 from jaxppo.setup import DTYPES, check_tokenizer, prepare_data, tiny_model_config
 from jaxppo.step import PPOState
@@ -132,8 +131,8 @@ def create_states(cfg: Config, b: Build, start_dir: Path, seed: int) -> PPOState
     actor_state = b.actor.init_state(actor_params)  # under LoRA: the adapters; the base is b.actor.frozen
     del actor_params
     ref_params = None
-    if b.ref is not None and a_lora.rank:  # the reference is the base: the adapters zeroed, no second copy
-        ref_params = zeros_like_adapters(actor_state.params)
+    if b.ref is not None and a_lora.rank:  # the reference is the base module on the frozen weights: nothing held
+        ref_params = {}
     elif b.ref is not None:
         # stored in the compute dtype: its forward pass casts every weight to it anyway, so its log-probs are
         # bit-identical to those of an fp32 copy at half (bf16) the memory (a copy either way: the actor's buffers

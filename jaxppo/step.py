@@ -90,7 +90,8 @@ class PPOState:
 
     actor: TrainState
     critic: TrainState | None  # None: no critic (GRPO, RLOO, REINFORCE++)
-    ref_params: Any  # the reference policy in the compute dtype (its forward casts to it anyway); None: no KL
+    ref_params: Any  # the reference policy in the compute dtype (its forward casts to it anyway); None: no KL;
+    # {} under LoRA (the base module on the actor's frozen weights)
     kl_coef: float  # the in-reward KL coefficient (the adaptive controller moves it)
 
 

@@ -352,7 +352,7 @@ class PPOTrainer:
             on_host = host_bytes(sub.opt_state)  # offloaded (jaxppo/offload.py): in this host's memory, not the card's
             if on_host:
                 out[f"{name} AdamW moments (host memory)"] = on_host
-        if s.ref_params is not None:
+        if s.ref_params:  # under LoRA {}: the base, nothing held
             out["reference"] = memory.held_bytes(s.ref_params)
         return out
 

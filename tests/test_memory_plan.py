@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import tempfile
 
+import jax
 import numpy as np
 import pytest
 
@@ -232,6 +233,9 @@ def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(
             assert len(programs) == n_programs  # the forwards and updates, and LoRA's reference
             planned = {p.name: p.compiles() for p in programs}
             assert all(planned.values()), planned  # every program compiled by the plan, before any state existed
+            if "actor.lora_rank=8" in extra:  # the reference is the base module: no arrays of its own
+                assert not jax.tree.leaves(trainer.state.ref_params) and "reference" not in trainer.held_memory()
+                assert not any(k.startswith("reference") for k in trainer.plan.states), trainer.plan.states
             trainer.fit()
             after = {p.name: p.compiles() for p in programs}
     finally:
