@@ -294,3 +294,32 @@ def test_export_merges_and_writes_a_peft_adapter(lora_run, tmp_path):
             c = with_adapter(ids).logits
     assert (a - b).abs().max() <= 1e-4 * a.abs().max()
     assert (a - c).abs().max() > 1e-2  # the adapters were trained (the export is not the base)
+
+
+def test_the_exact_kl_to_the_base_under_lora_needs_no_reference_arrays(tiny_qwen):
+    """actor.kl_loss_type=full under LoRA: the run's reference is {} (nothing held); the update zeroes the adapters
+    inside its program, so it equals the update given explicit zero adapters, and its KL to the base is positive
+    once the adapters have moved (0 at the base itself)."""
+    from jaxppo.config import load_config
+    from jaxppo.engine import ActorEngine
+    from jaxppo.models.lora import zeros_like_adapters
+    from jaxppo.sharding import make_mesh
+    from scripts.bench_update import synthetic_batch
+
+    cfg = load_config(None, ["actor.lora_rank=8", "actor.use_kl_loss=true", "actor.kl_loss_type=full",
+                             "actor.kl_loss_coef=0.1", "actor.ppo_micro_batch_size_per_device=4"])
+    module, params, mcfg = load_model(tiny_qwen, dtype=jnp.float32, param_dtype=jnp.float32, lora=LoraSpec(8, 16.0))
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    actor = ActorEngine(module, mesh, cfg.actor, 8, trainable=is_adapter)
+    batch = actor.shard_batch(synthetic_batch(mcfg, 8, 16, 8))
+    kl, out = {}, {}
+    for moved in (False, True):
+        for name, ref in (("nothing", {}), ("zeros", None)):
+            state = actor.init_state(jax.tree.map(jnp.copy, params))
+            if moved:  # adapters away from the base (lora_B starts at zero)
+                state = state.replace(params=jax.tree.map(lambda a: a + 0.05, state.params))
+            state, m = actor.update(state, batch, ref if ref is not None else zeros_like_adapters(state.params))
+            kl[moved, name], out[moved, name] = float(m["kl_loss"]), jax.device_get(state.params)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), out[moved, "nothing"], out[moved, "zeros"])
+        assert kl[moved, "nothing"] == kl[moved, "zeros"]
+    assert abs(kl[False, "nothing"]) < 1e-6 and kl[True, "nothing"] > 1e-4, kl
