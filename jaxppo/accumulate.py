@@ -250,18 +250,9 @@ class HostLoop:
             sums = self.micro(state, sums, copy, minibatch, np.int32(i), extra)
         return self.apply(state, sums, extra)
 
-    def _abstract_start(self, state: Any, minibatch: Batch, extra: Any) -> tuple[Any, Any]:
-        """(sums, copy) as ShapeDtypeStructs in the shardings the empty sum's program gives them."""
-        sums, copy = jax.eval_shape(lambda s, b, e: zero_sums(self.engine, self.loss_fn, s, b, e), state,
-                                    minibatch, extra)
-        sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
-        # the shardings are prefixes of the sums' tree (one for all metrics): broadcast them to its leaves
-        sums = tuple(jax.tree.map(lambda sh, t: jax.tree.map(lambda x: sds(x, sh), t), sh, t)
-                     for sh, t in zip(self.sum_shardings, sums))
-        return sums, (None if copy is None else jax.tree.map(sds, copy, self.copy_shardings))
-
     def _memories(self, how: str, state: Any, minibatch: Batch, extra: Any) -> Memory:
-        sums, copy = self._abstract_start(state, minibatch, extra)
+        # (sums, copy) as the empty sum's program gives them: shapes in its output shardings
+        sums, copy = self.zeros.jitted.eval_shape(state, minibatch, extra)
         i = jax.ShapeDtypeStruct((), np.int32)
         mems = [getattr(self.zeros, how)(state, minibatch, extra),
                 getattr(self.micro, how)(state, sums, copy, minibatch, i, extra),

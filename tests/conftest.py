@@ -49,15 +49,25 @@ def tokenizer_dir(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
+def _only_devices(monkeypatch, n: int) -> None:
+    import jax
+
+    first = jax.devices()[:n]
+    monkeypatch.setattr(jax, "devices", lambda *a: first)
+    monkeypatch.setattr(jax, "device_count", lambda *a: n)
+
+
 @pytest.fixture
 def one_device(monkeypatch):
     """In-process runs see one device, as a user's CPU run (and the subprocess runs of the tests) do; this test
     process has eight."""
-    import jax
+    _only_devices(monkeypatch, 1)
 
-    first = jax.devices()[0]
-    monkeypatch.setattr(jax, "devices", lambda *a: [first])
-    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    """In-process runs see two of the test process's eight devices (a two-device data-parallel mesh)."""
+    _only_devices(monkeypatch, 2)
 
 
 # The files that take longest come first in collection order, the one that builds the embedded default's shared warm

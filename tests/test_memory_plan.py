@@ -204,15 +204,20 @@ def test_plan_only_exits_0_or_2_and_creates_nothing(tmp_path, capsys, one_device
 
 
 @pytest.mark.parametrize("extra, n_programs", [([], 4), (["actor.lora_rank=8"], 5),
-                                               (["model.micro_batch_loop=host", "actor.lora_rank=8"], 9)],
-                         ids=["full", "lora", "lora_host_loop"])
-def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(tmp_path, one_device, extra,
+                                               (["model.micro_batch_loop=host", "actor.lora_rank=8"], 9),
+                                               (["model.micro_batch_loop=host", "mesh.data=2"], 8)],
+                         ids=["full", "lora", "lora_host_loop", "host_loop_data2"])
+def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(tmp_path, request, extra,
                                                                                 n_programs):
     """XLA's own compile events, by program: each of the step's programs is compiled once per argument signature
     (the plan's executables are the ones the steps call: no second compile of the same program); under LoRA the
     reference's own program (the base module) among them; with the host's micro-batch loop each update is three
-    programs (the empty sum, one micro-batch, the optimizer step), all compiled by the plan."""
+    programs (the empty sum, one micro-batch, the optimizer step), all compiled by the plan, also where each of two
+    devices keeps its own sum between them (data parallel: the sums' shardings as the empty sum's program gives
+    them)."""
     from jax._src import monitoring
+
+    request.getfixturevalue("two_devices" if "mesh.data=2" in extra else "one_device")
 
     from jaxppo.train import make_engine_factory
     from jaxppo.trainer import PPOTrainer
@@ -231,6 +236,7 @@ def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(
         with PPOTrainer(cfg, make_engine_factory(cfg)) as trainer:
             programs = [p for e in (trainer.actor, trainer.critic) for p in e.programs()]
             assert len(programs) == n_programs  # the forwards and updates, and LoRA's reference
+            assert trainer.actor.local_accumulation == trainer.critic.local_accumulation == ("mesh.data=2" in extra)
             planned = {p.name: p.compiles() for p in programs}
             assert all(planned.values()), planned  # every program compiled by the plan, before any state existed
             if "actor.lora_rank=8" in extra:  # the reference is the base module: no arrays of its own
