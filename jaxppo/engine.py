@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxppo import offload, ppo
-from jaxppo.config import FSDP_GATHER, GRAD_REDUCE_DTYPES, ActorConfig, CriticConfig, OptimConfig
+from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
 from jaxppo.accumulate import HostLoop, _without, minibatch_gradients, optimizer_step
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
@@ -35,7 +35,7 @@ from jaxppo.models.lora import LoraSpec, zeros_like_adapters
 from jaxppo.ppo.bypass import bypass_policy_loss
 from jaxppo.ppo.policy_losses import compute_policy_loss
 from jaxppo.programs import Memory, Program
-from jaxppo.sharding import activation_rules
+from jaxppo.sharding import activation_rules, parallel_mode
 
 Batch = dict[str, jax.Array]
 
@@ -180,29 +180,6 @@ def response_values(module: nn.Module, params: Any, batch: Batch, response_lengt
     return values[:, -response_length - 1:-1]
 
 
-def parallel_mode(mesh: Mesh, fsdp_gather: str, grad_reduce_dtype: str) -> tuple[int, bool, bool]:
-    """How an engine's programs use the mesh: (batch shards = data x fsdp, whether fsdp-sharded parameters are
-    gathered once per update / forward pass instead of per layer, whether gradients are summed per device over the
-    micro-batches and reduced across devices once per mini-batch). Refuses the combinations that cannot run."""
-    m = mesh.shape
-    if fsdp_gather not in FSDP_GATHER:
-        raise ConfigError(f"mesh.fsdp_gather={fsdp_gather!r} unknown; known: {list(FSDP_GATHER)}")
-    if fsdp_gather == "update" and m["tensor"] > 1:
-        raise ConfigError("mesh.fsdp_gather=update needs mesh.tensor=1 (a tensor-parallel layer is never whole "
-                          "on one device); use fsdp_gather=layer with tensor parallelism")
-    batch_shards = m["data"] * m["fsdp"]
-    gather_once = fsdp_gather == "update" and m["fsdp"] > 1
-    # every device holds whole parameters while it computes (pure data parallelism, or fsdp gathered once)
-    local_accumulation = batch_shards > 1 and m["tensor"] == 1 and (m["fsdp"] == 1 or gather_once)
-    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-        raise ConfigError(f"mesh.grad_reduce_dtype={grad_reduce_dtype!r} unknown; known: {list(GRAD_REDUCE_DTYPES)}")
-    if grad_reduce_dtype != "float32" and not local_accumulation:
-        raise ConfigError(f"mesh.grad_reduce_dtype={grad_reduce_dtype} applies where each device holds whole "
-                          "parameters (mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this "
-                          f"mesh is {dict(m)}")
-    return batch_shards, gather_once, local_accumulation
-
-
 @dataclasses.dataclass
 class _Base(DeviceBatches):
     """What the actor and critic engines share: mesh, jit plumbing, train state, micro-batch scans."""
@@ -232,7 +209,7 @@ class _Base(DeviceBatches):
         self.tx_parts, self.schedule = optimizer_parts(self.optim, self.total_steps)
         self.tx = optax.chain(*self.tx_parts)
         self.batch_shards, self.gather_once, self.local_accumulation = parallel_mode(
-            self.mesh, self.fsdp_gather, self.grad_reduce_dtype)
+            self.mesh.shape, self.fsdp_gather, self.grad_reduce_dtype)
         self._param_specs = None  # PartitionSpecs of the parameter tree (from the first params seen)
         # AdamW's moments in host memory between updates (jaxppo/offload.py); set before the state is made
         self.optimizer_offload = False

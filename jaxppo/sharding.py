@@ -7,13 +7,14 @@ changing the mesh shape is a config edit, never a model edit.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxppo.config.schema import FSDP_GATHER, GRAD_REDUCE_DTYPES
 from jaxppo.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -62,6 +63,29 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
                           f"devices (docs/distributed.md), or set the mesh to these {num_devices} ({one}; an axis of "
                           "-1 takes what is there) and the memory plan says at start whether the run fits them")
     return sizes
+
+
+def parallel_mode(sizes: Mapping[str, int], fsdp_gather: str, grad_reduce_dtype: str) -> tuple[int, bool, bool]:
+    """How an engine's programs use a mesh of these axis sizes (`Mesh.shape`, or the config check's resolved
+    sizes): (batch shards = data x fsdp, whether fsdp-sharded parameters are gathered once per update / forward
+    pass instead of per layer, whether gradients are summed per device over the micro-batches and reduced across
+    devices once per mini-batch). Refuses the combinations that cannot run."""
+    if fsdp_gather not in FSDP_GATHER:
+        raise ConfigError(f"mesh.fsdp_gather={fsdp_gather!r} unknown; known: {list(FSDP_GATHER)}")
+    if fsdp_gather == "update" and sizes["tensor"] > 1:
+        raise ConfigError("mesh.fsdp_gather=update needs mesh.tensor=1 (a tensor-parallel layer is never whole "
+                          "on one device); use fsdp_gather=layer with tensor parallelism")
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    gather_once = fsdp_gather == "update" and sizes["fsdp"] > 1
+    # every device holds whole parameters while it computes (pure data parallelism, or fsdp gathered once)
+    local_accumulation = batch_shards > 1 and sizes["tensor"] == 1 and (sizes["fsdp"] == 1 or gather_once)
+    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise ConfigError(f"mesh.grad_reduce_dtype={grad_reduce_dtype!r} unknown; known: {list(GRAD_REDUCE_DTYPES)}")
+    if grad_reduce_dtype != "float32" and not local_accumulation:
+        raise ConfigError(f"mesh.grad_reduce_dtype={grad_reduce_dtype} applies where each device holds whole "
+                          "parameters (mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this "
+                          f"mesh is {dict(sizes)}")
+    return batch_shards, gather_once, local_accumulation
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:

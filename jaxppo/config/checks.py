@@ -406,17 +406,12 @@ def _check_trainer(cfg: Config) -> None:
 
 
 def _check_mesh(cfg: Config, num_devices: int) -> None:
-    from jaxppo.sharding import resolve_mesh_shape
+    from jaxppo.sharding import parallel_mode, resolve_mesh_shape
 
     d, r = cfg.data, cfg.rollout
     sizes = resolve_mesh_shape(cfg.mesh.axes(), num_devices)
-    batch_shards = sizes["data"] * sizes["fsdp"]
-    # each device holds whole parameters and sums its gradients over the micro-batches (engine.parallel_mode's
-    # local accumulation)
-    local_sums = batch_shards > 1 and sizes["tensor"] == 1 and (sizes["fsdp"] == 1 or cfg.mesh.fsdp_gather == "update")
-    _check(cfg.mesh.grad_reduce_dtype == "float32" or local_sums,
-           f"mesh.grad_reduce_dtype={cfg.mesh.grad_reduce_dtype} applies where each device holds whole parameters "
-           f"(mesh.data > 1 with fsdp = tensor = 1, or mesh.fsdp_gather=update); this mesh is {sizes}")
+    # the engines' own rule: refuses what cannot run on this mesh (the bf16 reduction where devices hold shards)
+    batch_shards, _, _ = parallel_mode(sizes, cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype)
     seqs_step = d.train_batch_size * r.n
     for name, sub in trained_models(cfg):
         micro = sub.ppo_micro_batch_size_per_device * batch_shards
