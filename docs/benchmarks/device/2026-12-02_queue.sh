@@ -76,7 +76,8 @@ queue() {
   # tokens with the scan's copy of the weights; 7168 with the host loop, 2026-12-07, and the configs set it since);
   # sync05_host / sync15_host / grpo7b_host / ppo7b_offload_host: the full fine-tuning configs with the host loop
   # (whether `host` can be the default: the budget their plans find and the step, beside sync05 / sync15 / grpo7b /
-  # ppo7b_offload)
+  # ppo7b_offload); ahead05_host / ahead15_host: the one-step-ahead configs so (#32's 0.5B / 1.5B steps are the
+  # training phases beside the helper's decode: a larger update budget shortens them)
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
   # H200, 2026-11-30; thought moot when one micro-batch's compile on an H100 held more with the loop than unrolled,
@@ -158,6 +159,8 @@ sync05_host|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --s
 sync15_host|$B --config configs/gsm8k_qwen2.5_1.5b.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/sync15_host.json --workdir $Q/w/sync15_host model.micro_batch_loop=host
 grpo7b_host|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b_host.json --workdir $Q/w/grpo7b_host model.micro_batch_loop=host
 ppo7b_offload_host|$B --config configs/gsm8k_qwen2.5_7b_offload.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/ppo7b_offload_host.json --workdir $Q/w/ppo7b_offload_host model.micro_batch_loop=host
+ahead05_host|$B --config configs/gsm8k_qwen2.5_0.5b_ahead.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/ahead05_host.json --workdir $Q/w/ahead05_host model.micro_batch_loop=host
+ahead15_host|$B --config configs/gsm8k_qwen2.5_1.5b_ahead.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/ahead15_host.json --workdir $Q/w/ahead15_host model.micro_batch_loop=host
 lora7b_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_unroll4.json --workdir $Q/w/lora7b_unroll4 model.scan_unroll=4
 lora7b_bypass_awake_unroll4|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake_unroll4.json --workdir $Q/w/lora7b_bypass_awake_unroll4 algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false model.scan_unroll=4
 grpo7b_unroll4|$B --config configs/gsm8k_grpo_qwen2.5_7b.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/grpo7b_unroll4.json --workdir $Q/w/grpo7b_unroll4 model.scan_unroll=4
