@@ -93,7 +93,8 @@ def prepare(cfg: Config, quiet: bool = False) -> Prepared:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     if not quiet:
-        log.info("%s\ntoken budgets per device per micro-batch: %s", plan.table(), plan.budgets)
+        log.info("%s\ntoken budgets per device per micro-batch: %s\nupdate micro-batch loop: %s", plan.table(),
+                 plan.budgets, b.loops)
     return Prepared(cfg, mesh, tokenizer, Path(tokenizer_dir), train_ds, val_ds, sampler, total_steps, b, plan,
                     staging)
 

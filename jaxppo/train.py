@@ -135,6 +135,7 @@ def plan_only(cfg, plan_json: str | None = None) -> int:
         Path(plan_json).write_text(json.dumps(prep.plan.summary()))
     print(prep.plan.table())
     print(f"token budgets per device per micro-batch: {prep.plan.budgets}")
+    print(f"update micro-batch loop: {prep.build.loops}")
     print(f"plan: fits ({prep.plan.need / 2**30:.2f} GiB per device for JAX"
           + (f", {prep.plan.jax_limit / 2**30:.2f} GiB allowed)" if prep.plan.jax_limit else "; no card to check)"))
     return 0

@@ -203,10 +203,11 @@ def test_plan_only_exits_0_or_2_and_creates_nothing(tmp_path, capsys, one_device
     assert not run.exists() and not staged, staged  # no run directory, no staged data left
 
 
-@pytest.mark.parametrize("extra, n_programs", [([], 4), (["actor.lora_rank=8"], 5),
+@pytest.mark.parametrize("extra, n_programs", [([], 4), (["model.micro_batch_loop=scan", "actor.lora_rank=8"], 5),
+                                               (["actor.lora_rank=8"], 7),
                                                (["model.micro_batch_loop=host", "actor.lora_rank=8"], 9),
                                                (["model.micro_batch_loop=host", "mesh.data=2"], 8)],
-                         ids=["full", "lora", "lora_host_loop", "host_loop_data2"])
+                         ids=["full", "lora_scan", "lora_auto", "lora_host_loop", "host_loop_data2"])
 def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(tmp_path, request, extra,
                                                                                 n_programs):
     """XLA's own compile events, by program: each of the step's programs is compiled once per argument signature
@@ -214,7 +215,7 @@ def test_a_start_compiles_each_program_once_and_the_run_calls_those_executables(
     reference's own program (the base module) among them; with the host's micro-batch loop each update is three
     programs (the empty sum, one micro-batch, the optimizer step), all compiled by the plan, also where each of two
     devices keeps its own sum between them (data parallel: the sums' shardings as the empty sum's program gives
-    them)."""
+    them). The default loop, `auto`, is the host's for the LoRA actor and the scan for the fully trained critic."""
     from jax._src import monitoring
 
     request.getfixturevalue("two_devices" if "mesh.data=2" in extra else "one_device")

@@ -77,7 +77,7 @@ CLOSED_SETS: dict[str, tuple] = {
     "model.param_dtype": DTYPE_NAMES,
     "model.remat": ("none", "full", "dots", "dots_attn"),
     "model.attention_impl": (None, "xla", "cudnn", "cudnn_mask"),
-    "model.micro_batch_loop": ("scan", "host"),
+    "model.micro_batch_loop": ("auto", "scan", "host"),
     "actor.optim.lr_schedule": ("constant", "cosine"),
     "critic.optim.lr_schedule": ("constant", "cosine"),
     "rollout.engine": ROLLOUT_ENGINES,

@@ -51,8 +51,9 @@ class ModelConfig:
     # the update's micro-batch loop: scan (inside the update's one program) | host (one program per micro-batch
     # called from the host, then the optimizer step: a loop in XLA's program can hold per-iteration copies of the
     # weights that one micro-batch's program does not; every mesh: where each device sums its own gradients the
-    # sum kept between the programs is per device, reduced in the optimizer step's)
-    micro_batch_loop: str = "scan"
+    # sum kept between the programs is per device, reduced in the optimizer step's) | auto: host for an engine that
+    # trains LoRA adapters on frozen weights, scan under full fine-tuning (jaxppo.build.resolve_micro_batch_loop)
+    micro_batch_loop: str = "auto"
     # embedded default model shape (when path is None)
     tiny_hidden_size: int = 128  # hidden size of the embedded default model
     tiny_num_layers: int = 2  # layers of the embedded default model
