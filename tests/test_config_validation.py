@@ -303,9 +303,25 @@ def test_what_needs_per_device_gradient_sums_is_checked_against_the_mesh(mesh, r
 
     micro = [f"{m}.{k}=4" for m in ("actor", "critic")
              for k in ("ppo_micro_batch_size_per_device", "log_prob_micro_batch_size_per_device")]
-    cfg = load_config(ROOT / "configs" / "default.yaml", micro + mesh)
     if refused is None:
-        validate(cfg, 8)
+        validate(load_config(ROOT / "configs" / "default.yaml", micro + mesh), 8)
+    else:  # (refused as the config loads: every size is given)
+        with pytest.raises(ConfigError, match=refused):
+            validate(load_config(ROOT / "configs" / "default.yaml", micro + mesh), 8)
+
+
+@pytest.mark.parametrize("mesh, refused", [
+    (["mesh.tensor=2", "mesh.fsdp_gather=update"], "mesh.fsdp_gather=update needs mesh.tensor=1"),
+    (["mesh.fsdp=2", "mesh.grad_reduce_dtype=bfloat16"], "mesh.grad_reduce_dtype=bfloat16 applies"),
+    (["mesh.tensor=-1", "mesh.fsdp_gather=update"], None)])
+def test_a_mesh_given_in_sizes_is_checked_when_the_config_loads(mesh, refused):
+    """Loading checks the engines' own rule (jaxppo.sharding.parallel_mode) on a mesh whose sizes are all given, before
+    any device is asked; an axis of -1 waits for the device count (the start checks it then)."""
+    from jaxppo.config import load_config
+    from jaxppo.errors import ConfigError
+
+    if refused is None:
+        load_config(ROOT / "configs" / "default.yaml", mesh)
     else:
         with pytest.raises(ConfigError, match=refused):
-            validate(cfg, 8)
+            load_config(ROOT / "configs" / "default.yaml", mesh)

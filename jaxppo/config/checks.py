@@ -224,6 +224,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _check_trainer(cfg)
     if num_devices is not None:
         _check_mesh(cfg, num_devices)
+    elif all(size > 0 for size in cfg.mesh.axes().values()):  # no devices to resolve -1 against: the sizes as given
+        from jaxppo.sharding import parallel_mode
+
+        parallel_mode(cfg.mesh.axes(), cfg.mesh.fsdp_gather, cfg.mesh.grad_reduce_dtype)
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -402,7 +406,6 @@ def _check_trainer(cfg: Config) -> None:
            f"trainer.rollout_during_critic_update needs a critic to update beside the generation; "
            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} has none (trainer.async_rollout overlaps the "
            "generation with the actor's update, one step off-policy)")
-    _check(cfg.mesh.fsdp_gather == "layer" or cfg.mesh.tensor == 1, "mesh.fsdp_gather=update needs mesh.tensor=1")
 
 
 def _check_mesh(cfg: Config, num_devices: int) -> None:
