@@ -194,6 +194,7 @@ def test_plan_only_exits_0_or_2_and_creates_nothing(tmp_path, capsys, one_device
     assert cache.is_dir() and any(cache.iterdir())
     out = capsys.readouterr().out
     assert "memory plan per device" in out and "actor update" in out and "plan: fits" in out
+    assert "update micro-batch loop: actor scan, critic scan" in out  # auto, full fine-tuning
     assert main([f"trainer.default_local_dir={run}", *FAST, "trainer.plan_only=true",
                  "trainer.device_memory_gb=0.0001"]) == 2
     err = capsys.readouterr().err
