@@ -76,7 +76,7 @@ class Build:
             else:
                 out["critic (weights + AdamW)" if not self.offloaded(self.critic_state)
                     else "critic (weights; AdamW in host memory)"] = device_bytes(self.critic_state)
-        if self.ref is not None and self.actor_frozen is None:  # under LoRA the base: nothing of its own
+        if self.ref:  # under LoRA {}: the base module, nothing of its own
             out["reference (compute dtype)"] = device_bytes(self.ref)
         return out
 

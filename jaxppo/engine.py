@@ -428,9 +428,9 @@ class ActorEngine(_Base):
         if self.frozen is None:
             return self.logprobs(ref_params, batch)[0]
         with self._ctx():
-            return self.base_program(ref_params)(ref_params, self.frozen, batch)
+            return self.base_program()(ref_params, self.frozen, batch)
 
-    def base_program(self, params: Any) -> Program:
+    def base_program(self) -> Program:
         """The base module's log-probs (LoRA's reference): `fn(adapters, frozen, batch)`, the adapters unread (the
         run passes {}; XLA drops any)."""
         if self._base_jit is None:
@@ -445,7 +445,7 @@ class ActorEngine(_Base):
         """Compile `ref_logprobs` for these (abstract) arguments, as `compile_logprobs` does."""
         if frozen is None:
             return self.compile_logprobs(ref_params, None, batch, probe=probe)
-        return self._compile(self.base_program(ref_params), probe, ref_params, frozen, batch)
+        return self._compile(self.base_program(), probe, ref_params, frozen, batch)
 
     def programs(self) -> list[Program]:
         return super().programs() + ([self._base_jit] if self._base_jit is not None else [])

@@ -131,10 +131,8 @@ def create_states(cfg: Config, b: Build, start_dir: Path, seed: int) -> PPOState
     _, actor_params, _ = load_model(start_dir, rng=jax.random.PRNGKey(seed + 2), **kw, **with_lora(cfg, a_lora))
     actor_state = b.actor.init_state(actor_params)  # under LoRA: the adapters; the base is b.actor.frozen
     del actor_params
-    ref_params = None
-    if b.ref is not None and a_lora.rank:  # the reference is the base module on the frozen weights: nothing held
-        ref_params = {}
-    elif b.ref is not None:
+    ref_params = b.ref  # None without a KL term; {} under LoRA: the base module on the frozen weights, nothing held
+    if ref_params:
         # stored in the compute dtype: its forward pass casts every weight to it anyway, so its log-probs are
         # bit-identical to those of an fp32 copy at half (bf16) the memory (a copy either way: the actor's buffers
         # are donated to its updates)
