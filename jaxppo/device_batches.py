@@ -52,6 +52,12 @@ class DeviceBatches:
             return constrain_micro(batch, self.mesh)
         return split_micro(batch, self._n_micro(batch["input_ids"].shape[0], per_device), self.mesh)
 
+    @property
+    def attention_window(self) -> int | None:
+        """The longest sequence the engine's model sees (its `attention_window`): what cuts packed rows into
+        attention windows (jaxppo/packing.py)."""
+        return getattr(self.module, "attention_window", None)
+
     def pack(self, batch: dict[str, np.ndarray], budget: int, what: str):
         """This process's rows of a padded host batch packed into one row per local batch shard and
         micro-batch; with several processes the shapes are agreed on (the largest bucket wins)."""
@@ -64,14 +70,15 @@ class DeviceBatches:
         local = self.batch_shards // k
         known = self._packed_shapes.setdefault(what, set())
         caps = self._shape_caps.get(what)
-        packed = pack(batch, self.response_length, budget, local, what, known=known, caps=caps)
+        window = self.attention_window
+        packed = pack(batch, self.response_length, budget, local, what, known=known, caps=caps, window=window)
         while k > 1:  # every process the same shapes: repeat with the largest until all agree (they only grow)
             keys = dist.gather_rows(np.array([packed.shape_key]))
             n, s, row, runs = (int(v) for v in keys.max(0))
             if (keys == (n, s, row, runs)).all():
                 break
             packed = pack(batch, self.response_length, budget, local, what, min_micro=n, min_slots=s, row_len=row,
-                          min_runs=runs, known=known, caps=caps)
+                          min_runs=runs, known=known, caps=caps, window=window)
         known.add(packed.shape_key)
         return packed
 

@@ -13,7 +13,7 @@ per-sequence aggregation modes need).
 Shapes are bucketed so the number of compiled programs stays bounded: the number of micro-batches is
 exact up to 8 and then rounded up to a quarter of its power of two (10, 12, 14, 16, 20, ...; empty rows
 compute nothing useful: at most ~1/8 is wasted), and so are the number of response-token slots per row
-and the number of runs per row (its sequences and the unused tail: cuDNN attends within each run).
+and the number of runs per attention window (its sequences and the unused tail: cuDNN attends within each run).
 The row length is a multiple of budget / 8 (at least the longest sequence): of those, the one that
 computes the fewest tokens (rows x length) after rounding the rows up, so a batch that would fill
 4.4 rows of the budget is packed into 5 shorter rows instead of 5 full-length ones with one nearly
@@ -26,6 +26,16 @@ Within a run, rows hold no more than the memory plan compiled for (`Caps`: slots
 worst case at the budget): a batch of many short sequences gets more rows rather than a row with more runs or
 slots than any program measured (cuDNN's packed attention keeps float32 statistics of [rows x runs, heads, row
 length], so a program's memory grows with its runs).
+
+Attention windows (`window`: the longest sequence there can be, the model's `attention_window`): cuDNN's packed
+layout is a batch of (rows x runs) sequences, each up to the row's length, and its kernels launch blocks for every
+one of them over that length whether the run is short or empty (an update's backward at 0.5B spent ~1 ms a layer
+so, on a few thousand tokens of attention: docs/benchmarks.md). So a row is cut into `k` equal windows no shorter
+than the longest sequence (`attention_windows`) and its runs are listed by the window they start in
+(`segment_starts` [.., k, runs]; a sequence may run on into the next window, the unused tail is cut at each window's
+start): cuDNN then sees (rows x k x runs) sequences of at most the window's length, k times fewer columns each and
+far fewer runs. The runs count of a shape is then per window, and caps no row's sequences (a window holds at most
+window / shortest sequence of them whatever the row).
 """
 
 from __future__ import annotations
@@ -71,8 +81,10 @@ class Packed:
       gather_idx       [n_micro, shards, slots]  in-row position of the state before each response token
       targets, response_mask, token_weight, slot_segment and the SEQ_KEYS arrays   [n_micro, shards, slots]
       seq_count        [n_micro, shards]          sequences with a response token in each row
-      segment_starts   [n_micro, shards, runs]    start column of each run of equal segment ids (the
-                                                  sequences, then the unused tail), -1 after the last
+      segment_starts   [n_micro, shards, k, runs] start column in the row of each run of equal segment ids (the
+                                                  sequences, then the unused tail cut at each window's start), by
+                                                  the window it starts in (k windows; 1 without `window`), -1 after
+                                                  a window's last
     Response tokens are laid flat (`slots` per row, the row's response tokens first, then padding), so
     the vocabulary projection runs on response tokens only. `token_weight` is 1 / (the token's sequence's
     response length), what `seq-mean-token-mean` needs when rows are not sequences."""
@@ -85,9 +97,10 @@ class Packed:
 
     @property
     def shape_key(self) -> tuple[int, int, int, int]:
-        """(micro-batches, slots per row, row length, runs per row): what a compiled program depends on."""
+        """(micro-batches, slots per row, row length, runs per window): what a compiled program depends on (the
+        windows follow from the row length)."""
         a = self.arrays
-        return a["gather_idx"].shape[0], a["gather_idx"].shape[2], a["input_ids"].shape[2], a["segment_starts"].shape[2]
+        return a["gather_idx"].shape[0], a["gather_idx"].shape[2], a["input_ids"].shape[2], a["segment_starts"].shape[-1]
 
     def unpack(self, x: np.ndarray, batch_size: int) -> np.ndarray:
         """[n_micro, shards, slots] per-slot outputs -> [batch_size, r] in the padded batch's layout."""
@@ -105,7 +118,8 @@ class Packed:
 @dataclasses.dataclass(frozen=True)
 class Caps:
     """The most a packed row may hold: the shape the memory plan compiled (slots, row length, runs), so that every
-    program a run compiles is no larger in any of them than the one the plan measured (more rows instead)."""
+    program a run compiles is no larger in any of them than the one the plan measured (more rows instead). `runs`
+    caps a row's sequences only in a row of one window (0: no cap, `_row_caps`)."""
 
     slots: int
     row_len: int
@@ -124,12 +138,13 @@ def first_fit_decreasing(lengths: np.ndarray, budget: int, responses: np.ndarray
     bins: list[list[int]] = []
     room: list[int] = []
     resp: list[int] = []
-    most_seqs = caps.runs - 1 if caps else None
+    most_seqs = caps.runs - 1 if caps and caps.runs else None
     for i in sorted(range(len(lengths)), key=lambda k: -int(lengths[k])):
         n = int(lengths[i])
         r = int(responses[i]) if caps else 0
         for b, free in enumerate(room):
-            if n <= free and (caps is None or (len(bins[b]) < most_seqs and resp[b] + r <= caps.slots)):
+            if n <= free and (caps is None or ((most_seqs is None or len(bins[b]) < most_seqs)
+                                               and resp[b] + r <= caps.slots)):
                 bins[b].append(i)
                 room[b] -= n
                 resp[b] += r
@@ -149,7 +164,7 @@ def balance_responses(lengths: np.ndarray, responses: np.ndarray, n_rows: int, c
     sequence finds no room."""
     bins: list[list[int]] = [[] for _ in range(n_rows)]
     room, resp = [capacity] * n_rows, [0] * n_rows
-    most_seqs = caps.runs - 1 if caps else len(lengths)
+    most_seqs = caps.runs - 1 if caps and caps.runs else len(lengths)
     for i in sorted(range(len(lengths)), key=lambda k: (-int(lengths[k]), -int(responses[k]))):
         fits = [r for r in range(n_rows) if room[r] >= lengths[i] and len(bins[r]) < most_seqs]
         if not fits:
@@ -161,14 +176,45 @@ def balance_responses(lengths: np.ndarray, responses: np.ndarray, n_rows: int, c
     return bins
 
 
+def attention_windows(width: int, longest: int | None) -> int:
+    """The windows a packed row of `width` columns is cut into for cuDNN's packed attention: the most that divide
+    it evenly and are each at least `longest` (the longest sequence) long; 1 without `longest`."""
+    if not longest or width < 2 * longest:
+        return 1
+    return max(k for k in range(1, width // longest + 1) if width % k == 0)
+
+
+def _row_caps(caps: Caps | None, width: int, window: int | None) -> Caps | None:
+    """`caps` for rows of `width` columns: in a row of several attention windows `runs` is a window's count and caps
+    no row's sequences."""
+    if caps is not None and attention_windows(width, window) > 1:
+        return dataclasses.replace(caps, runs=0)
+    return caps
+
+
+def window_starts(lengths: list[int], width: int, k: int) -> list[list[int]]:
+    """Each of a row's `k` windows' run starts: the sequences of `lengths` laid back to back from column 0, then the
+    unused tail, cut where each window starts (a run longer than a window would leave columns unattended)."""
+    w = width // k
+    out: list[list[int]] = [[] for _ in range(k)]
+    off = 0
+    for n in lengths:
+        out[off // w].append(off)
+        off += n
+    while off < width:
+        out[off // w].append(off)
+        off = (off // w + 1) * w
+    return out
+
+
 def row_lengths(budget: int) -> list[int]:
     """The row lengths `pack` may choose for a token budget, longest first."""
     return sorted({-(-budget * k // ROW_STEPS) for k in range(1, ROW_STEPS + 1)}, reverse=True)
 
 
 def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int, row_len: int | None,
-            known: frozenset = frozenset(), responses: np.ndarray | None = None, caps: Caps | None = None
-            ) -> tuple[list[list[int]], int, int]:
+            known: frozenset = frozenset(), responses: np.ndarray | None = None, caps: Caps | None = None,
+            window: int | None = None) -> tuple[list[list[int]], int, int]:
     """(bins, micro-batches, row length) computing the fewest tokens (the longer row wins a tie), unless a
     (micro-batches, row length) already compiled (`known` shape keys) computes at most REUSE_SLACK more: then
     that one, so that batches of slightly different sizes do not each compile a program of their own. `caps`:
@@ -177,7 +223,7 @@ def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int, row_l
     candidates = []
     lengths_allowed = [n for n in row_lengths(budget) if n >= longest and (caps is None or n <= caps.row_len)]
     for length in [row_len] if row_len else lengths_allowed:
-        bins = first_fit_decreasing(lengths, length, responses, caps)
+        bins = first_fit_decreasing(lengths, length, responses, _row_caps(caps, length, window))
         n_micro = max(bucket(math.ceil(len(bins) / shards)), min_micro)
         candidates.append((n_micro * length, -length, n_micro, bins))
     cost, neg_len, n_micro, bins = min(candidates, key=lambda c: c[:2])
@@ -206,11 +252,12 @@ def _reuse(value: int, index: int, known: frozenset, n_micro: int, width: int) -
 def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards: int,
          what: str = "actor.ppo_max_token_len_per_device", min_micro: int = 1, min_slots: int = 1,
          row_len: int | None = None, min_runs: int = 1, known: frozenset | set = frozenset(),
-         caps: Caps | None = None) -> Packed:
+         caps: Caps | None = None, window: int | None = None) -> Packed:
     """Pack a padded host batch (see jaxppo/engine.py for the layout) into rows of at most `budget`
     tokens (`row_len`: exactly that long; min_*, row_len: what other processes need; `known`: shape keys of
     programs compiled already, reused when they cost little more; `caps`: the most a row may hold, the shape the
-    memory plan compiled: more rows rather than a larger row)."""
+    memory plan compiled: more rows rather than a larger row; `window`: the longest sequence any batch of the run
+    has, which sets the rows' attention windows, `attention_windows`)."""
     ids, seg = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
     r = response_length
     b, t = ids.shape
@@ -227,20 +274,31 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     if caps is not None and (int(lengths.max(initial=1)) > caps.row_len or int(rlen.max(initial=0)) > caps.slots
                              or caps.runs < 2):
         caps = None  # a sequence the planned shape cannot hold at all: a larger program (the late-compile check)
-    bins, n_micro, width = _layout(lengths, budget, shards, min_micro, row_len, known, rlen, caps)
+    if window:  # no sequence longer than a window
+        window = max(window, int(lengths.max(initial=0)))
+    bins, n_micro, width = _layout(lengths, budget, shards, min_micro, row_len, known, rlen, caps, window)
     bins += [[] for _ in range(n_micro * shards - len(bins))]
     most = lambda bs: max(1, max(int(rlen[m].sum()) for m in bs))  # noqa: E731
-    even = balance_responses(lengths, rlen, len(bins), width, caps)  # the same rows, fewer slots if it fits
+    # the same rows, fewer slots if it fits
+    even = balance_responses(lengths, rlen, len(bins), width, _row_caps(caps, width, window))
     if even is not None and most(even) < most(bins):
         bins = even
-    # runs of a row: its sequences, then the unused tail (if any); an empty row is one run
-    n_runs = [len(m) + int(int(lengths[m].sum()) < width) for m in bins]
+    # runs of a row by window: its sequences, then the unused tail (if any), cut at each window's start; one
+    # window: an empty row is one run
+    k = attention_windows(width, window)
+    runs_of = [window_starts([int(lengths[i]) for i in m], width, k) for m in bins]
+    n_runs = max(len(w) for row in runs_of for w in row)
     slots = max(_reuse(most(bins), 1, known, n_micro, width), min_slots)
-    runs = max(_reuse(max(n_runs), 3, known, n_micro, width), min_runs)
+    # several windows: at least two runs each (with one, cuDNN's layout drops the offsets: a run would start at
+    # its window's first column)
+    runs = max(_reuse(n_runs, 3, known, n_micro, width), min_runs, 2 if k > 1 else 1)
     if caps is not None:  # a bucket above the planned shape: the planned count holds the rows as well
-        slots, runs = max(min(slots, caps.slots), most(bins)), max(min(runs, caps.runs), max(n_runs))
+        slots, runs = max(min(slots, caps.slots), most(bins)), max(min(runs, caps.runs), n_runs, 2 if k > 1 else 1)
     rows = n_micro * shards
-    starts = np.full((rows, runs), -1, np.int32)
+    starts = np.full((rows, k, runs), -1, np.int32)
+    for row, windows in enumerate(runs_of):
+        for j, w in enumerate(windows):
+            starts[row, j, :len(w)] = w
 
     out_ids, out_seg, out_pos = (np.zeros((rows, width), np.int32) for _ in range(3))
     gather, targets = np.zeros((rows, slots), np.int32), np.zeros((rows, slots), np.int32)
@@ -270,10 +328,7 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
             for key in per_tok:
                 per_tok[key][row, k] = batch[key][i, js]
             seq_count[row] += js.size > 0
-            starts[row, s] = off
             off, slot = off + n, slot + js.size
-        if off < width:
-            starts[row, len(members)] = off
     shaped = lambda x: x.reshape((n_micro, shards) + x.shape[1:])  # noqa: E731
     arrays = {"input_ids": shaped(out_ids), "attention_mask": shaped(out_seg), "positions": shaped(out_pos),
               "gather_idx": shaped(gather), "targets": shaped(targets), "response_mask": shaped(slot_mask),
@@ -290,4 +345,5 @@ def max_programs(batch_size: int, budget: int, shards: int) -> int:
             * len(buckets_upto(batch_size + 1)))
 
 
-__all__ = ["Packed", "Caps", "pack", "first_fit_decreasing", "balance_responses", "max_programs", "row_lengths", "SEQ_KEYS"]
+__all__ = ["Packed", "Caps", "pack", "first_fit_decreasing", "balance_responses", "max_programs", "row_lengths",
+           "attention_windows", "window_starts", "SEQ_KEYS"]

@@ -58,6 +58,14 @@ def row_allowance(row_len: int, shortest_prompt: int, response_len: int, seqs: i
     return max(slots, 1), max(runs, 1)
 
 
+def window_allowance(window_len: int, shortest_prompt: int, seqs: int) -> int:
+    """Runs that can start in one attention window of `window_len` columns (`jaxppo.packing.attention_windows`):
+    the sequences, each at least the data's shortest prompt long (so one start per that many columns at most, and
+    at most `seqs`), and a piece of the unused tail. Whatever the responses' lengths, no window holds more: a row of
+    several windows caps none of its sequences (`jaxppo.packing._row_caps`)."""
+    return min(seqs, (window_len - 1) // max(shortest_prompt, 1) + 1) + 1
+
+
 def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, what: str, shortest_prompt: int
                      ) -> tuple[dict[str, jax.ShapeDtypeStruct], tuple[int, int, int, int]]:
     """What `engine.shard_packed(engine.pack(...))` makes of the worst case at `budget`, and its packed shape key
@@ -67,15 +75,20 @@ def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, wha
     (`row_allowance`). The run packs within this shape (`jaxppo.packing.Caps`, row length included): a batch of
     full-length responses at the data's prompts packs into it exactly (no program compiled after the start), and
     shorter responses than half-length get more rows, not more runs per row. The allowance is the row's, not the
-    budget's: a worst case that packs into rows shorter than the budget (fewer tokens computed) holds fewer."""
+    budget's: a worst case that packs into rows shorter than the budget (fewer tokens computed) holds fewer. A row
+    of several attention windows (the engine's `attention_window`) gets each window's most runs instead
+    (`window_allowance`)."""
     from jaxppo.packing import bucket, pack
 
     local = engine.batch_shards // jax.process_count()
     R = engine.response_length
     seqs = -(-batch["input_ids"].shape[0] // local)
-    row_len = pack(batch, R, budget, local, what).shape_key[2]
+    window = getattr(engine, "attention_window", None)
+    first = pack(batch, R, budget, local, what, window=window)
+    row_len, k = first.shape_key[2], first.arrays["segment_starts"].shape[2]
     slots, runs = row_allowance(row_len, shortest_prompt, R, seqs)
-    packed = pack(batch, R, budget, local, what, min_slots=bucket(slots), min_runs=bucket(runs + 1))
+    runs = runs + 1 if k == 1 else window_allowance(row_len // k, shortest_prompt, seqs)
+    packed = pack(batch, R, budget, local, what, min_slots=bucket(slots), min_runs=bucket(runs), window=window)
     out = {}
     for k, v in packed.arrays.items():
         shape = (v.shape[0], v.shape[1] * jax.process_count()) + v.shape[2:]

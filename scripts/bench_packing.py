@@ -72,29 +72,31 @@ def timed(engine, state, batch, steps):
     return state, float(np.median(times)), float(m["pg_loss"])
 
 
-def check(name: str, engines: dict, params, batch: dict, packed) -> list[dict]:
+def check(name: str, engines: dict, params, batch: dict, packed: dict) -> list[dict]:
     """Each attention against XLA's with the dense mask (engines["xla"]), same parameters: max |log-prob
-    difference| over response tokens (padded and packed) and one update's pg_loss / grad_norm."""
+    difference| over response tokens (padded, and each packed layout of `packed`: rows of one attention window,
+    rows cut into windows) and one update's pg_loss / grad_norm."""
     m = batch["response_mask"] > 0
     n = m.shape[0]
     out, ref = [], {}
+    layouts = ["padded", *packed]
     for impl, engine in engines.items():
-        dev = {"padded": engine.shard_batch(batch), "packed": engine.shard_packed(packed)}
-        lp_pad = np.asarray(engine.logprobs(params, dev["padded"])[0])
-        lp_pack = packed.unpack(np.asarray(engine.logprobs(params, dev["packed"])[0]), n)
-        res = {"lp_padded": lp_pad, "lp_packed": lp_pack}
-        for layout in ("padded", "packed"):
+        dev = {"padded": engine.shard_batch(batch), **{k: engine.shard_packed(v) for k, v in packed.items()}}
+        res = {"lp_padded": np.asarray(engine.logprobs(params, dev["padded"])[0])}
+        for layout, v in packed.items():
+            res[f"lp_{layout}"] = v.unpack(np.asarray(engine.logprobs(params, dev[layout])[0]), n)
+        for layout in layouts:
             _, metrics = engine.update(engine.init_state(jax.tree.map(jnp.copy, params)), dev[layout])
             res[layout] = {k: float(metrics[k]) for k in ("pg_loss", "grad_norm")}
         if impl == "xla":
             ref = res
         row = {"check": impl, "model": name, "against": "xla (dense mask)",
-               "max_abs_logprob_diff_padded": float(np.abs(res["lp_padded"] - ref["lp_padded"])[m].max()),
-               "max_abs_logprob_diff_packed": float(np.abs(res["lp_packed"] - ref["lp_packed"])[m].max()),
-               "mean_abs_logprob_diff_packed": float(np.abs(res["lp_packed"] - ref["lp_packed"])[m].mean()),
-               "finite": bool(np.isfinite(res["lp_packed"][m]).all() and np.isfinite(res["lp_padded"][m]).all()),
-               **{f"{layout}_{k}": v for layout in ("padded", "packed") for k, v in res[layout].items()},
-               **{f"xla_{layout}_{k}": v for layout in ("padded", "packed") for k, v in ref[layout].items()}}
+               "windows": {k: int(v.arrays["segment_starts"].shape[2]) for k, v in packed.items()},
+               **{f"max_abs_logprob_diff_{layout}": float(np.abs(res[f"lp_{layout}"] - ref[f"lp_{layout}"])[m].max())
+                  for layout in layouts},
+               "finite": bool(all(np.isfinite(res[f"lp_{layout}"][m]).all() for layout in layouts)),
+               **{f"{layout}_{k}": v for layout in layouts for k, v in res[layout].items()},
+               **{f"xla_{layout}_{k}": v for layout in layouts for k, v in ref[layout].items()}}
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
@@ -111,6 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--remat", default="full")
     p.add_argument("--attention", default=None, help="comma list: cudnn, cudnn_mask, xla (default: cudnn on GPU)")
     p.add_argument("--check", action="store_true", help="parity of each attention with XLA's (first model)")
+    p.add_argument("--windows", default="on", help="packed rows cut into attention windows (jaxppo/packing.py): "
+                   "comma list of on, off (each timed)")
+    p.add_argument("--ledger", default=None, help="append each timed row (bench `packing`) to this ledger")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     mesh = make_mesh({"data": -1})
@@ -130,8 +135,10 @@ def main(argv=None) -> int:
         useful = int(batch["attention_mask"].sum())
         budgets = [int(b) for b in args.budget.split(",")]
         if args.check and k == 0:
+            layouts = {"packed": pack(batch, R_MAX, budgets[-1], shards),
+                       "windows": pack(batch, R_MAX, budgets[-1], shards, window=P_MAX + R_MAX)}
             rows += check(name, {i: ActorEngine(build(i), mesh, acfg, R_MAX) for i in ["xla"] + impls}, params, batch,
-                          pack(batch, R_MAX, budgets[-1], shards))
+                          layouts)
         for impl in impls:
             engine = ActorEngine(build(impl), mesh, acfg, R_MAX)
             state = engine.init_state(jax.tree.map(jnp.copy, params))
@@ -143,26 +150,34 @@ def main(argv=None) -> int:
                          "computed_tokens": args.seqs * (P_MAX + R_MAX), "pg_loss": loss_pad})
             print(json.dumps(rows[-1]), flush=True)
             for budget in budgets:
-                packed = pack(batch, R_MAX, budget, shards)
-                state, t_pack, loss_pack = timed(engine, state, engine.shard_packed(packed), args.steps)
-                n_micro, _, row, runs = packed.shape_key
-                rows.append({**base, "layout": "packed", "budget": budget, "row_tokens": row, "micro_batches": n_micro,
-                             "runs_per_row": runs, "rows_used": sum(1 for m in packed.members if m), "step_s": t_pack,
-                             "useful_tokens_per_s": useful / t_pack, "computed_tokens": n_micro * shards * row,
-                             "speedup_vs_padded": t_pad / t_pack, "pg_loss": loss_pack})
-                print(json.dumps(rows[-1]), flush=True)
+                for windows in args.windows.split(","):
+                    packed = pack(batch, R_MAX, budget, shards, window=P_MAX + R_MAX if windows == "on" else None)
+                    state, t_pack, loss_pack = timed(engine, state, engine.shard_packed(packed), args.steps)
+                    n_micro, _, row, runs = packed.shape_key
+                    rows.append({**base, "layout": "packed", "budget": budget, "row_tokens": row,
+                                 "micro_batches": n_micro, "attention_windows": packed.arrays["segment_starts"].shape[2],
+                                 "runs_per_window": runs, "rows_used": sum(1 for m in packed.members if m),
+                                 "step_s": t_pack, "useful_tokens_per_s": useful / t_pack,
+                                 "computed_tokens": n_micro * shards * row, "speedup_vs_padded": t_pad / t_pack,
+                                 "pg_loss": loss_pack, "samples": args.steps})
+                    print(json.dumps(rows[-1]), flush=True)
             del engine, state
         del params
-    print(f"\n{'model':14} {'attention':10} {'layout':7} {'budget':>6} {'row':>5} {'step_s':>8} {'useful tok/s':>13} "
-          f"{'computed/useful':>16} {'speedup':>8}")
+    print(f"\n{'model':14} {'attention':10} {'layout':7} {'budget':>6} {'row':>5} {'windows':>7} {'step_s':>8} "
+          f"{'useful tok/s':>13} {'computed/useful':>16} {'speedup':>8}")
     for r in rows:
         if "step_s" not in r:
             continue
         print(f"{r['model']:14} {r['attention']:10} {r['layout']:7} {r.get('budget', r['row_tokens']):6d} {r['row_tokens']:5d} "
-              f"{r['step_s']:8.3f} {r['useful_tokens_per_s']:13.0f} {r['computed_tokens'] / r['useful_tokens']:16.2f} "
-              f"{r.get('speedup_vs_padded', 1.0):8.2f}")
+              f"{r.get('attention_windows', 1):7d} {r['step_s']:8.3f} {r['useful_tokens_per_s']:13.0f} "
+              f"{r['computed_tokens'] / r['useful_tokens']:16.2f} {r.get('speedup_vs_padded', 1.0):8.2f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
+    if args.ledger:
+        from scripts import ledger
+
+        for r in rows:
+            ledger.append(ledger.make_row("packing", r), args.ledger)
     return 0
 
 

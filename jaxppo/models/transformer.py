@@ -177,25 +177,39 @@ def segment_runs(segment_ids: Int[Array, "b t"]) -> Int[Array, "b 3"]:
     return jnp.where((changes != expected)[:, None], -2, starts)
 
 
-def ragged_layout(starts: Int[Array, "b m"], t: int) -> tuple[jax.Array, jax.Array]:
-    """Run starts [b, m] (-1: none) -> cuDNN's packed layout: (seqlen [b, m], offsets [b, m + 1]), -1 filled.
-    Every column of a row must lie in some run (padding runs included), so no output is left unwritten."""
-    nxt = jnp.concatenate([starts[:, 1:], jnp.full_like(starts[:, :1], -1)], axis=-1)
-    end = jnp.where(nxt >= 0, nxt, t)
-    lens = jnp.where(starts >= 0, end - starts, -1).astype(jnp.int32)
-    offsets = jnp.concatenate([starts, jnp.full_like(starts[:, :1], -1)], axis=-1).astype(jnp.int32)
-    return lens, offsets
+def ragged_layout(starts: Int[Array, "b k m"], t: int) -> tuple[jax.Array, jax.Array]:
+    """Run starts in the row, by attention window ([b, k, m]: the k windows of t / k columns, -1: none; [b, m]: one
+    window) -> cuDNN's packed layout of the rows cut into their windows ([b * k, t / k]): (seqlen [b * k, m], offsets
+    [b * k, m + 1]), -1 filled. A run ends where the row's next one starts, which may lie in a later window: cuDNN
+    reads each run from its offset in the flat buffer, so a run may go on past its window's end (never past the
+    window's length). Every column of a row must lie in some run (padding runs included), so no output is left
+    unwritten."""
+    if starts.ndim == 2:
+        starts = starts[:, None, :]
+    b, k, m = starts.shape
+    flat = starts.reshape(b, k * m)
+    # each run's end: the smallest valid start after it in the row (starts ascend through the windows), else t
+    later = jax.lax.cummin(jnp.where(flat >= 0, flat, t), axis=1, reverse=True)
+    end = jnp.concatenate([later[:, 1:], jnp.full_like(later[:, :1], t)], axis=-1)
+    lens = jnp.where(flat >= 0, end - flat, -1).astype(jnp.int32).reshape(b * k, m)
+    first = (jnp.arange(k, dtype=starts.dtype) * (t // k))[None, :, None]  # each window's first column
+    local = jnp.where(starts >= 0, starts - first, -1).astype(jnp.int32).reshape(b * k, m)
+    return lens, jnp.concatenate([local, jnp.full_like(local[:, :1], -1)], axis=-1)
 
 
 def cudnn_segment_attention(q, k, v, seqlen, offsets):
     """Causal attention within each run of a row through cuDNN's packed (ragged) layout: work is the sum of
     the runs' squared lengths, not the row's, and no [t, t] mask or bias exists (a bias would also make
-    cuDNN compute its gradient). JAX exposes the offsets only in its cuDNN module."""
+    cuDNN compute its gradient). The rows are cut into the windows `seqlen` / `offsets` describe
+    (`ragged_layout`: [b * windows, runs]), a free reshape. JAX exposes the offsets only in its cuDNN module."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-    return dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
-                                 kv_offsets=offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
-                                 qkv_layout="BTNH")
+    b, t = q.shape[:2]
+    cut = lambda x: x.reshape((seqlen.shape[0], b * t // seqlen.shape[0]) + x.shape[2:])  # noqa: E731
+    out = dot_product_attention(cut(q), cut(k), cut(v), q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
+                                kv_offsets=offsets, scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
+                                qkv_layout="BTNH")
+    return out.reshape(q.shape)
 
 
 def _lora(spec: LoraSpec, name: str) -> dict:
@@ -323,11 +337,12 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, self.param_dtype)
 
     def __call__(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
-                 segment_ids: Int[Array, "b t"], segment_starts: Int[Array, "b m"] | None = None) -> Float[Array, "b t d"]:
+                 segment_ids: Int[Array, "b t"], segment_starts: Int[Array, "b k m"] | None = None
+                 ) -> Float[Array, "b t d"]:
         """`segment_ids`: 0 for padding, k > 0 for the k-th sequence of a row (1 everywhere unpacked).
         `segment_starts`: the start column of every run of equal segment ids in a row, padding runs
-        included, -1 after the last (packed rows, jaxppo/packing.py); None: one sequence per row (the
-        engine's padded layout). With `attention_impl="cudnn"` the runs are attended to as cuDNN's packed
+        included, by the attention window it starts in, -1 after a window's last (packed rows,
+        jaxppo/packing.py); None: one sequence per row (the engine's padded layout). With `attention_impl="cudnn"` the runs are attended to as cuDNN's packed
         layout; otherwise through a [t, t] mask (XLA, or `"cudnn_mask"`: cuDNN with the mask as a bias, the
         former layout, kept to compare against)."""
         x = nn.with_logical_constraint(self.embed_tokens(input_ids), ("batch", "seq", "act_embed"))
@@ -337,7 +352,8 @@ class Decoder(nn.Module):
             mask = ragged_layout(starts, segment_ids.shape[-1])
             # a poisoned row (not the layout its starts describe) is NaN from its first state on: the
             # residual stream carries the NaN through every layer, and nothing crosses rows
-            x = jnp.where(jnp.any(starts < -1, axis=-1)[:, None, None], jnp.nan, x)
+            poisoned = jnp.any((starts < -1).reshape(starts.shape[0], -1), axis=-1)
+            x = jnp.where(poisoned[:, None, None], jnp.nan, x)
         else:
             mask = attention_mask_4d(segment_ids)
         x, _ = self.layers(x, mask, cos, sin)
