@@ -78,6 +78,9 @@ queue() {
   # (whether `host` can be the default: the budget their plans find and the step, beside sync05 / sync15 / grpo7b /
   # ppo7b_offload); ahead05_host / ahead15_host: the one-step-ahead configs so (#32's 0.5B / 1.5B steps are the
   # training phases beside the helper's decode: a larger update budget shortens them)
+  # packing05_windows: packed rows cut into attention windows (jaxppo/packing.py, `window`) against rows of one
+  # window, cuDNN's packed attention, 0.5B: parity with XLA's dense mask at an 8192-token budget (log-probs, one
+  # update's loss and gradient norm), then the update timed at 32768 (medians of 8), each layout
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
   # H200, 2026-11-30; thought moot when one micro-batch's compile on an H100 held more with the loop than unrolled,
@@ -110,6 +113,7 @@ queue() {
   # the 7B LoRA update's buffers (docs/benchmarks/device/2026-12-06_lora_update_buffers.py) at 1024 and 2048 tokens
   local LB="$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl"
   cat <<EOF
+packing05_windows|$PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 64 --budget 8192 --steps 3 --remat dots_attn --attention cudnn --windows on,off --check --ledger $Q/results.jsonl --json-out $Q/packing05_check.json && $PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 128 --budget 32768 --steps 8 --remat dots_attn --attention cudnn --windows on,off --ledger $Q/results.jsonl --json-out $Q/packing05_windows.json
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 sync05_base|cd /tmp/base && JAXPPO_COMMIT=\$(cat /tmp/base/.commit) $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/sync05_base.json --workdir $Q/w/sync05_base
 critic05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/critic05.json --workdir $Q/w/critic05 trainer.rollout_during_critic_update=true
