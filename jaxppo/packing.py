@@ -100,7 +100,8 @@ class Packed:
         """(micro-batches, slots per row, row length, runs per window): what a compiled program depends on (the
         windows follow from the row length)."""
         a = self.arrays
-        return a["gather_idx"].shape[0], a["gather_idx"].shape[2], a["input_ids"].shape[2], a["segment_starts"].shape[-1]
+        runs = a["segment_starts"].shape[-1]
+        return a["gather_idx"].shape[0], a["gather_idx"].shape[2], a["input_ids"].shape[2], runs
 
     def unpack(self, x: np.ndarray, batch_size: int) -> np.ndarray:
         """[n_micro, shards, slots] per-slot outputs -> [batch_size, r] in the padded batch's layout."""

@@ -154,8 +154,9 @@ def main(argv=None) -> int:
                     packed = pack(batch, R_MAX, budget, shards, window=P_MAX + R_MAX if windows == "on" else None)
                     state, t_pack, loss_pack = timed(engine, state, engine.shard_packed(packed), args.steps)
                     n_micro, _, row, runs = packed.shape_key
+                    k = packed.arrays["segment_starts"].shape[2]
                     rows.append({**base, "layout": "packed", "budget": budget, "row_tokens": row,
-                                 "micro_batches": n_micro, "attention_windows": packed.arrays["segment_starts"].shape[2],
+                                 "micro_batches": n_micro, "attention_windows": k,
                                  "runs_per_window": runs, "rows_used": sum(1 for m in packed.members if m),
                                  "step_s": t_pack, "useful_tokens_per_s": useful / t_pack,
                                  "computed_tokens": n_micro * shards * row, "speedup_vs_padded": t_pad / t_pack,

@@ -342,9 +342,10 @@ class Decoder(nn.Module):
         """`segment_ids`: 0 for padding, k > 0 for the k-th sequence of a row (1 everywhere unpacked).
         `segment_starts`: the start column of every run of equal segment ids in a row, padding runs
         included, by the attention window it starts in, -1 after a window's last (packed rows,
-        jaxppo/packing.py); None: one sequence per row (the engine's padded layout). With `attention_impl="cudnn"` the runs are attended to as cuDNN's packed
-        layout; otherwise through a [t, t] mask (XLA, or `"cudnn_mask"`: cuDNN with the mask as a bias, the
-        former layout, kept to compare against)."""
+        jaxppo/packing.py); None: one sequence per row (the engine's padded layout). With
+        `attention_impl="cudnn"` the runs are attended to as cuDNN's packed layout; otherwise through a [t, t]
+        mask (XLA, or `"cudnn_mask"`: cuDNN with the mask as a bias, the former layout, kept to compare
+        against)."""
         x = nn.with_logical_constraint(self.embed_tokens(input_ids), ("batch", "seq", "act_embed"))
         cos, sin = rope_tables(positions, jnp.asarray(self.cfg.inv_freq(), wide(self.dtype)))
         if self.attention_impl == "cudnn":
