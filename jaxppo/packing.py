@@ -31,7 +31,7 @@ Attention windows (`window`: the longest sequence there can be, the model's `att
 layout is a batch of (rows x runs) sequences, each up to the row's length, and its kernels launch blocks for every
 one of them over that length whether the run is short or empty (an update's backward at 0.5B spent ~1 ms a layer
 so, on a few thousand tokens of attention: docs/benchmarks.md). So a row is cut into `k` equal windows no shorter
-than the longest sequence (`attention_windows`) and its runs are listed by the window they start in
+than the longest sequence, of one length at a budget (`window_length`, `attention_windows`) and its runs are listed by the window they start in
 (`segment_starts` [.., k, runs]; a sequence may run on into the next window, the unused tail is cut at each window's
 start): cuDNN then sees (rows x k x runs) sequences of at most the window's length, k times fewer columns each and
 far fewer runs. The runs count of a shape is then per window, and caps no row's sequences (a window holds at most
@@ -177,18 +177,28 @@ def balance_responses(lengths: np.ndarray, responses: np.ndarray, n_rows: int, c
     return bins
 
 
-def attention_windows(width: int, longest: int | None) -> int:
-    """The windows a packed row of `width` columns is cut into for cuDNN's packed attention: the most that divide
-    it evenly and are each at least `longest` (the longest sequence) long; 1 without `longest`."""
-    if not longest or width < 2 * longest:
-        return 1
-    return max(k for k in range(1, width // longest + 1) if width % k == 0)
+def window_length(budget: int, longest: int | None) -> int | None:
+    """The length of the attention windows of every packed row at a token budget: the shortest divisor of the rows'
+    unit (budget / ROW_STEPS: every row length a multiple of it) that holds the longest sequence, the same for every
+    row, so a shorter row's windows hold no more runs than the plan's; None (rows of one window) without `longest`,
+    for a budget not a multiple of ROW_STEPS, or a unit shorter than the longest sequence."""
+    if not longest or budget % ROW_STEPS:
+        return None
+    unit = budget // ROW_STEPS
+    return next((d for d in range(longest, unit + 1) if unit % d == 0), None)
 
 
-def _row_caps(caps: Caps | None, width: int, window: int | None) -> Caps | None:
+def attention_windows(width: int, budget: int, longest: int | None) -> int:
+    """The windows a packed row of `width` columns at `budget` is cut into for cuDNN's packed attention: of
+    `window_length` each, when they divide it into two or more; else 1."""
+    w = window_length(budget, longest)
+    return width // w if w and width % w == 0 and width >= 2 * w else 1
+
+
+def _row_caps(caps: Caps | None, width: int, budget: int, window: int | None) -> Caps | None:
     """`caps` for rows of `width` columns: in a row of several attention windows `runs` is a window's count and caps
     no row's sequences."""
-    if caps is not None and attention_windows(width, window) > 1:
+    if caps is not None and attention_windows(width, budget, window) > 1:
         return dataclasses.replace(caps, runs=0)
     return caps
 
@@ -224,7 +234,7 @@ def _layout(lengths: np.ndarray, budget: int, shards: int, min_micro: int, row_l
     candidates = []
     lengths_allowed = [n for n in row_lengths(budget) if n >= longest and (caps is None or n <= caps.row_len)]
     for length in [row_len] if row_len else lengths_allowed:
-        bins = first_fit_decreasing(lengths, length, responses, _row_caps(caps, length, window))
+        bins = first_fit_decreasing(lengths, length, responses, _row_caps(caps, length, budget, window))
         n_micro = max(bucket(math.ceil(len(bins) / shards)), min_micro)
         candidates.append((n_micro * length, -length, n_micro, bins))
     cost, neg_len, n_micro, bins = min(candidates, key=lambda c: c[:2])
@@ -281,12 +291,12 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     bins += [[] for _ in range(n_micro * shards - len(bins))]
     most = lambda bs: max(1, max(int(rlen[m].sum()) for m in bs))  # noqa: E731
     # the same rows, fewer slots if it fits
-    even = balance_responses(lengths, rlen, len(bins), width, _row_caps(caps, width, window))
+    even = balance_responses(lengths, rlen, len(bins), width, _row_caps(caps, width, budget, window))
     if even is not None and most(even) < most(bins):
         bins = even
     # runs of a row by window: its sequences, then the unused tail (if any), cut at each window's start; one
     # window: an empty row is one run
-    k = attention_windows(width, window)
+    k = attention_windows(width, budget, window)
     runs_of = [window_starts([int(lengths[i]) for i in m], width, k) for m in bins]
     n_runs = max(len(w) for row in runs_of for w in row)
     slots = max(_reuse(most(bins), 1, known, n_micro, width), min_slots)
@@ -347,4 +357,4 @@ def max_programs(batch_size: int, budget: int, shards: int) -> int:
 
 
 __all__ = ["Packed", "Caps", "pack", "first_fit_decreasing", "balance_responses", "max_programs", "row_lengths",
-           "attention_windows", "window_starts", "SEQ_KEYS"]
+           "attention_windows", "window_length", "window_starts", "SEQ_KEYS"]

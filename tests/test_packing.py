@@ -325,6 +325,37 @@ def test_full_length_responses_pack_into_the_planned_shape(budget, planned_rows)
         assert got.shape_key == planned, (got.shape_key, planned)
 
 
+@pytest.mark.parametrize("budget", [32768, 12288])
+def test_rows_of_windows_pack_within_the_planned_shape_whatever_the_responses(budget):
+    """Rows cut into attention windows (the engine's `attention_window`): the plan gives each window the runs of the
+    shortest prompt (`window_allowance`), so batches at the data's prompts pack into the planned shape itself with
+    full-length responses, and with responses of any length, short ones included, into no larger a shape in any
+    dimension, the runs of a window included (a row of windows caps none of its sequences)."""
+    from types import SimpleNamespace
+
+    from jaxppo.packing import Caps
+    from jaxppo.plan_search import _abstract_packed, _fake_batch
+
+    P_, R_, seqs, shortest, longest = 512, 256, 64, 77, 83  # the prompts of test_full_length_responses_...
+    engine = SimpleNamespace(batch_shards=1, response_length=R_, mesh=make_mesh(devices=jax.devices()[:1]),
+                             attention_window=P_ + R_)
+    abstract, planned = _abstract_packed(engine, _fake_batch(seqs, P_, R_, longest), budget, "x", shortest)
+    assert abstract["segment_starts"].shape[2] > 1, abstract["segment_starts"].shape  # windows
+    rng = np.random.default_rng(0)
+    for short in (False, True) * 4:
+        batch = _fake_batch(seqs, P_, R_, longest)
+        responses = rng.integers(1, 8 if rng.random() < 0.5 else R_ + 1, seqs) if short else [R_] * seqs
+        for i, (n, r) in enumerate(zip(rng.integers(shortest, longest + 1, seqs), responses)):
+            batch["attention_mask"][i, :P_ - n] = 0
+            batch["attention_mask"][i, P_ + r:] = 0
+            batch["response_mask"][i, r:] = 0
+        got = pack(batch, R_, budget, 1, "x", known={planned}, caps=Caps.of(planned), window=P_ + R_)
+        if short:
+            assert all(g <= q for g, q in zip(got.shape_key[1:], planned[1:])), (got.shape_key, planned)
+        else:
+            assert got.shape_key == planned, (got.shape_key, planned)
+
+
 def test_a_sequence_the_planned_shape_cannot_hold_packs_without_caps():
     from jaxppo.packing import Caps
 

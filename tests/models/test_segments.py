@@ -99,7 +99,7 @@ def test_rows_cut_into_attention_windows_match_mask():
         starts = packed.arrays["segment_starts"]
         k = starts.shape[2]
         t = seg.shape[1]
-        assert k == attention_windows(t, window) and k > 1, (t, k)
+        assert k == attention_windows(t, 8 * window, window) and k > 1, (t, k)
         starts = starts.reshape(seg.shape[0], k, -1)
         check(seg, starts)
         # a sequence that starts in one window and ends in the next
@@ -113,13 +113,17 @@ def test_rows_cut_into_attention_windows_match_mask():
 
 
 def test_a_row_of_one_window_keeps_its_layout():
-    """Without `window`, or a row shorter than two of them: one window, the runs of the row as before."""
+    """Without `window`, in a row shorter than two windows, or at a budget whose rows share no window length (not a
+    multiple of 8): one window, the runs of the row as before."""
     batch = random_batch(101, 16, seed=3)
     window = batch["input_ids"].shape[1]
-    for kw in ({}, {"window": window}):
-        packed = pack(batch, R, budget=window + window // 2, shards=2, **kw)
-        assert packed.arrays["segment_starts"].shape[2] == 1
-        assert packed.shape_key == pack(batch, R, budget=window + window // 2, shards=2).shape_key
+    cases = [dict(budget=8 * window), dict(budget=8 * window, window=window, row_len=window + window // 2),
+             dict(budget=8 * window + 4, window=window)]
+    for kw in cases:
+        packed = pack(batch, R, shards=2, **kw)
+        assert packed.arrays["segment_starts"].shape[2] == 1, kw
+        kw.pop("window", None)
+        assert packed.shape_key == pack(batch, R, shards=2, **kw).shape_key
 
 
 def emulated_cudnn(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type, qkv_layout):
@@ -161,7 +165,7 @@ def test_cudnn_path_on_windows_equals_the_mask(tiny_qwen, monkeypatch):
     xla = build_model(cfg, attention_window=window)
     cudnn = build_model(cfg, attention_impl="cudnn", attention_window=window)
     params = init_params(xla, jax.random.PRNGKey(0))
-    rows = dict(budget=6 * window, shards=1, row_len=6 * window)
+    rows = dict(budget=8 * window, shards=1, row_len=6 * window)
     cases = {"windows": pack(batch, R, window=window, **rows), "one window": pack(batch, R, **rows)}
     assert cases["windows"].arrays["segment_starts"].shape[2] > 1
     assert cases["one window"].arrays["segment_starts"].shape[2] == 1
