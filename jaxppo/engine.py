@@ -16,6 +16,7 @@ normalised by the mini-batch's token / sequence counts so their sum is the mini-
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -31,7 +32,7 @@ from jaxppo.config import ActorConfig, CriticConfig, OptimConfig
 from jaxppo.accumulate import HostLoop, _without, minibatch_gradients, optimizer_step
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
-from jaxppo.models.lora import LoraSpec, zeros_like_adapters
+from jaxppo.models.lora import LoraSpec
 from jaxppo.ppo.bypass import bypass_policy_loss
 from jaxppo.ppo.policy_losses import compute_policy_loss
 from jaxppo.programs import Memory, Program
@@ -84,7 +85,8 @@ def _chunks(x: jax.Array, size: int) -> jax.Array:
 
 def response_head(module: nn.Module, params: Any, batch: Batch, response_length: int, chunk_size: int,
                   with_entropy: bool = True, temperature: float = 1.0, remat: bool = True,
-                  truncation: tuple[int, float] | None = None, ref_params: Any = None) -> dict[str, jax.Array]:
+                  truncation: tuple[int, float] | None = None, ref_params: Any = None,
+                  ref_module: nn.Module | None = None) -> dict[str, jax.Array]:
     """Per response token, [b, r] float32 (packed: [rows, slots]), under softmax(logits / temperature) over
     the full vocabulary (the policy being trained; the rollout engine samples from it):
       logprobs      log-prob of the token;
@@ -93,15 +95,16 @@ def response_head(module: nn.Module, params: Any, batch: Batch, response_length:
                     engines sample from: top-k, then top-p of the renormalised rest, renormalised (vLLM's
                     `processed_logprobs`, transformers' warpers; the sampled token is always in it);
       kl_full       (with `ref_params`) the exact KL(policy || reference) over the vocabulary, the reference
-                    run on the same batch with no gradient.
+                    (`ref_module`, else `module`) run on the same batch with no gradient.
     The vocabulary projection runs over chunks of `chunk_size` response tokens (under remat unless
     `remat=False`, which keeps each chunk's logits for the backward pass), so no [b, r, vocab] float32 tensor
     exists beyond one chunk."""
     r = response_length
-    run = lambda p: module.apply({"params": p}, batch["input_ids"], batch["positions"],  # noqa: E731
-                                 batch["attention_mask"], batch.get("segment_starts"))
-    hidden = run(params)
-    ref_hidden = None if ref_params is None else jax.lax.stop_gradient(run(ref_params))
+    ref_module = ref_module or module
+    run = lambda m, p: m.apply({"params": p}, batch["input_ids"], batch["positions"],  # noqa: E731
+                               batch["attention_mask"], batch.get("segment_starts"))
+    hidden = run(module, params)
+    ref_hidden = None if ref_params is None else jax.lax.stop_gradient(run(ref_module, ref_params))
     if "gather_idx" in batch:  # packed rows (jaxppo/packing.py): the states before each response-token slot
         r = batch["gather_idx"].shape[-1]
         pick = lambda h: _chunks(_gather_packed(h, batch["gather_idx"]), chunk_size)  # noqa: E731
@@ -111,8 +114,8 @@ def response_head(module: nn.Module, params: Any, batch: Batch, response_length:
         targets = _chunks(batch["input_ids"][:, -r:], chunk_size)
     xs = (pick(hidden), targets) + (() if ref_hidden is None else (pick(ref_hidden),))
 
-    def scaled_logits(p, h_c):
-        logits = module.apply({"params": p}, h_c, method="logits")
+    def scaled_logits(p, h_c, m=module):
+        logits = m.apply({"params": p}, h_c, method="logits")
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # float64 in a float64 model
         return logits / temperature if temperature != 1.0 else logits
 
@@ -126,7 +129,7 @@ def response_head(module: nn.Module, params: Any, batch: Batch, response_length:
             out["sampling_logprobs"] = jax.lax.stop_gradient(truncated_logprobs(logits, t_c, *truncation))
         if ref_c:
             lp_all = logits - lse[..., None]
-            ref_all = jax.nn.log_softmax(jax.lax.stop_gradient(scaled_logits(ref_params, ref_c[0])), axis=-1)
+            ref_all = jax.nn.log_softmax(jax.lax.stop_gradient(scaled_logits(ref_params, ref_c[0], ref_module)), -1)
             out["kl_full"] = jnp.sum(jnp.exp(lp_all) * (lp_all - ref_all), axis=-1)
         return out
 
@@ -391,9 +394,14 @@ class ActorEngine(_Base):
                          cfg.log_prob_micro_batch_size_per_device, fsdp_gather, grad_reduce_dtype, trainable)
         self._base_jit: Program | None = None  # LoRA: the reference's log-probs from the base module alone
 
-    def _head(self, params, batch, with_entropy=True, truncation=None, ref_params=None, module=None):
+    def _head(self, params, batch, with_entropy=True, truncation=None, ref_params=None, module=None, ref_module=None):
         return response_head(module or self.module, params, batch, self.response_length, self.cfg.logprob_chunk_size,
-                             with_entropy, self.temperature, self.cfg.logprob_remat, truncation, ref_params)
+                             with_entropy, self.temperature, self.cfg.logprob_remat, truncation, ref_params, ref_module)
+
+    @functools.cached_property
+    def base_module(self) -> nn.Module:
+        """The module without adapters: LoRA's reference, run on the frozen weights alone."""
+        return self.module.clone(lora=LoraSpec())
 
     def logprobs(self, params: Any, batch: Batch, with_entropy: bool = False,
                  truncation: tuple[int, float] | None = None) -> tuple[jax.Array, ...]:
@@ -434,10 +442,8 @@ class ActorEngine(_Base):
         """The base module's log-probs (LoRA's reference): `fn(adapters, frozen, batch)`, the adapters unread (the
         run passes {}; XLA drops any)."""
         if self._base_jit is None:
-            base = self.module.clone(lora=LoraSpec())
-
             self._base_jit = Program(lambda p, f, b: self._forward_map(
-                lambda _, mb: self._head(f, mb, with_entropy=False, module=base)["logprobs"], p, b),
+                lambda _, mb: self._head(f, mb, with_entropy=False, module=self.base_module)["logprobs"], p, b),
                 name="reference log-probs (the base)")
         return self._base_jit
 
@@ -470,10 +476,10 @@ class ActorEngine(_Base):
         norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, horizon=c.loss_scale_factor or self.response_length,
                     token_weight=mb.get("token_weight"))
         frozen, ref = (extra or {}).get("frozen"), (extra or {}).get("ref")
-        if self.full_kl and ref is not None and frozen is not None:  # LoRA: the reference is the adapters zeroed
-            ref = zeros_like_adapters(params)
-        ref_full = self.full(ref, frozen) if (self.full_kl and ref is not None) else None
-        out = self._head(self.full(params, frozen), mb, ref_params=ref_full)
+        ref_full, ref_module = None, None
+        if self.full_kl and ref is not None:  # LoRA: the reference is the base module on the frozen weights
+            ref_full, ref_module = (frozen, self.base_module) if frozen is not None else (ref, None)
+        out = self._head(self.full(params, frozen), mb, ref_params=ref_full, ref_module=ref_module)
         logprob, entropy = out["logprobs"], out["entropy"]
         old = jax.lax.stop_gradient(logprob) if self.old_from_update else mb["old_logprobs"]
         if self.bypass is not None:  # old_logprobs are the rollout's; the correction is computed here
