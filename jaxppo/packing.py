@@ -30,12 +30,13 @@ length], so a program's memory grows with its runs).
 Attention windows (`window`: the longest sequence there can be, the model's `attention_window`): cuDNN's packed
 layout is a batch of (rows x runs) sequences, each up to the row's length, and its kernels are gridded over that
 whether a run is short or empty (the likely reason an update's backward at 0.5B spent ~1 ms a layer in one cuDNN
-kernel for ~22k tokens: docs/benchmarks.md, "cuDNN's packed attention cut into windows"). So a row is cut into `k` equal windows no shorter
-than the longest sequence, of one length at a budget (`window_length`, `attention_windows`), and its runs are
-listed by the window they start in (`segment_starts` [.., k, runs]; a sequence may run on into the next window, the
-unused tail is cut at each window's start): cuDNN then sees (rows x k x runs) sequences of at most the window's
-length, k times fewer columns each and far fewer runs. The runs count of a shape is then per window, and caps no
-row's sequences (a window holds at most window / shortest sequence of them whatever the row).
+kernel for ~22k tokens: docs/benchmarks.md, "cuDNN's packed attention cut into windows"). So a row is cut into `k`
+equal windows no shorter than the longest sequence, of one length at a budget (`window_length`,
+`attention_windows`), and its runs are listed by the window they start in (`segment_starts` [.., k, runs]; a
+sequence may run on into the next window, the unused tail is cut at each window's start): cuDNN then sees (rows x k
+x runs) sequences of at most the window's length, k times fewer columns each and far fewer runs. The runs count of
+a shape is then per window, and caps no row's sequences (a window holds at most window / shortest sequence of them
+whatever the row).
 """
 
 from __future__ import annotations
