@@ -303,9 +303,10 @@ def pack(batch: dict[str, np.ndarray], response_length: int, budget: int, shards
     slots = max(_reuse(most(bins), 1, known, n_micro, width), min_slots)
     # several windows: at least two runs each (with one, cuDNN's layout drops the offsets: a run would start at
     # its window's first column)
-    runs = max(_reuse(n_runs, 3, known, n_micro, width), min_runs, 2 if k > 1 else 1)
+    fewest_runs = 2 if k > 1 else 1
+    runs = max(_reuse(n_runs, 3, known, n_micro, width), min_runs, fewest_runs)
     if caps is not None:  # a bucket above the planned shape: the planned count holds the rows as well
-        slots, runs = max(min(slots, caps.slots), most(bins)), max(min(runs, caps.runs), n_runs, 2 if k > 1 else 1)
+        slots, runs = max(min(slots, caps.slots), most(bins)), max(min(runs, caps.runs), n_runs, fewest_runs)
     rows = n_micro * shards
     starts = np.full((rows, k, runs), -1, np.int32)
     for row, windows in enumerate(runs_of):

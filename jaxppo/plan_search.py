@@ -85,9 +85,9 @@ def _abstract_packed(engine: Any, batch: dict[str, np.ndarray], budget: int, wha
     seqs = -(-batch["input_ids"].shape[0] // local)
     window = getattr(engine, "attention_window", None)
     first = pack(batch, R, budget, local, what, window=window)
-    row_len, k = first.shape_key[2], first.arrays["segment_starts"].shape[2]
+    row_len, windows = first.shape_key[2], first.arrays["segment_starts"].shape[2]
     slots, runs = row_allowance(row_len, shortest_prompt, R, seqs)
-    runs = runs + 1 if k == 1 else window_allowance(row_len // k, shortest_prompt, seqs)
+    runs = runs + 1 if windows == 1 else window_allowance(row_len // windows, shortest_prompt, seqs)
     packed = pack(batch, R, budget, local, what, min_slots=bucket(slots), min_runs=bucket(runs), window=window)
     out = {}
     for k, v in packed.arrays.items():
