@@ -14,11 +14,17 @@ remat); median over `--steps`. Prints a table and one JSON line per configuratio
 `cudnn_mask` is the former layout (cuDNN with a [row, row] mask as a bias), to compare against.
 `--check` (first model): log-probs and one update's loss / gradient norm of each attention against XLA's
 attention with the dense mask, padded and packed, on the same parameters.
+`--chunk 256,2048` times each size of the vocabulary head's chunks (`actor.logprob_chunk_size`: response tokens
+of a row per chunk; a packed row's chunk is that many of its response tokens), `--forward` the log-prob pass
+(no gradient: the reference's and old policy's) beside each update, and `--dist full` gives the committed GSM8K
+configs' batch with random weights (prompts of 77-83 tokens, every response the full 256: random weights never
+stop early).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -45,7 +51,9 @@ P_MAX, R_MAX = 200, 300
 def gsm8k_like_batch(vocab: int, n: int, dist: str, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     plen = rng.integers(60, P_MAX + 1, n)
-    if dist == "uniform":
+    if dist == "full":
+        plen, rlen = rng.integers(77, 84, n), np.full(n, 256)
+    elif dist == "uniform":
         rlen = rng.integers(20, R_MAX + 1, n)
     else:
         rlen = np.clip(np.round(rng.lognormal(np.log(110), 0.6, n)), 20, R_MAX).astype(int)
@@ -70,6 +78,17 @@ def timed(engine, state, batch, steps):
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     return state, float(np.median(times)), float(m["pg_loss"])
+
+
+def timed_forward(engine, params, batch, steps) -> float:
+    """Median seconds of the log-prob pass (no gradient) over `batch`."""
+    jax.block_until_ready(engine.logprobs(params, batch))  # compile
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(engine.logprobs(params, batch))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def check(name: str, engines: dict, params, batch: dict, packed: dict) -> list[dict]:
@@ -108,13 +127,17 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--micro", type=int, default=8, help="padded: sequences per device per micro-batch")
     p.add_argument("--budget", default="2048", help="packed: tokens per row (comma list)")
-    p.add_argument("--dist", default="lognormal", choices=["lognormal", "uniform"])
+    p.add_argument("--dist", default="lognormal", choices=["lognormal", "uniform", "full"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--remat", default="full")
     p.add_argument("--attention", default=None, help="comma list: cudnn, cudnn_mask, xla (default: cudnn on GPU)")
     p.add_argument("--check", action="store_true", help="parity of each attention with XLA's (first model)")
     p.add_argument("--windows", default="on", help="packed rows cut into attention windows (jaxppo/packing.py): "
                    "comma list of on, off (each timed)")
+    p.add_argument("--chunk", default="512", help="the head's chunk sizes to time (comma list; response tokens a row)")
+    p.add_argument("--head-remat", type=int, default=1, help="actor.logprob_remat (0: each chunk's logits kept)")
+    p.add_argument("--forward", action="store_true", help="also time the log-prob pass (no gradient)")
+    p.add_argument("--no-padded", action="store_true", help="time the packed layouts only")
     p.add_argument("--ledger", default=None, help="append each timed row (bench `packing`) to this ledger")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -123,8 +146,9 @@ def main(argv=None) -> int:
     impls = (args.attention or ("cudnn" if jax.default_backend() == "gpu" else "xla")).split(",")
     print(f"device: {jax.devices()[0].device_kind} x{shards}  jax {jax.__version__}")
     rows = []
+    chunks = [int(c) for c in args.chunk.split(",")]
     acfg = ActorConfig(ppo_micro_batch_size_per_device=args.micro, log_prob_micro_batch_size_per_device=args.micro,
-                       logprob_chunk_size=512, optim=OptimConfig(lr=1e-6))
+                       logprob_chunk_size=chunks[0], logprob_remat=bool(args.head_remat), optim=OptimConfig(lr=1e-6))
     for k, name in enumerate(args.model.split(",")):
         cfg = SHAPES[name]
         build = lambda impl: build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat,  # noqa: E731
@@ -139,38 +163,46 @@ def main(argv=None) -> int:
                        "windows": pack(batch, R_MAX, budgets[-1], shards, window=P_MAX + R_MAX)}
             rows += check(name, {i: ActorEngine(build(i), mesh, acfg, R_MAX) for i in ["xla"] + impls}, params, batch,
                           layouts)
-        for impl in impls:
-            engine = ActorEngine(build(impl), mesh, acfg, R_MAX)
+        for impl, chunk in [(i, c) for i in impls for c in chunks]:
+            engine = ActorEngine(build(impl), mesh, dataclasses.replace(acfg, logprob_chunk_size=chunk), R_MAX)
             state = engine.init_state(jax.tree.map(jnp.copy, params))
-            state, t_pad, loss_pad = timed(engine, state, engine.shard_batch(batch), args.steps)
             base = {"model": name, "seqs": args.seqs, "dist": args.dist, "useful_tokens": useful, "attention": impl,
-                    "remat": args.remat, "device": jax.devices()[0].device_kind}
-            rows.append({**base, "layout": "padded", "row_tokens": P_MAX + R_MAX, "micro_per_device": args.micro,
-                         "step_s": t_pad, "useful_tokens_per_s": useful / t_pad,
-                         "computed_tokens": args.seqs * (P_MAX + R_MAX), "pg_loss": loss_pad})
-            print(json.dumps(rows[-1]), flush=True)
+                    "remat": args.remat, "logprob_chunk_size": chunk,
+                    "logprob_remat": bool(args.head_remat), "device": jax.devices()[0].device_kind}
+            t_pad = None
+            if not args.no_padded:
+                state, t_pad, loss_pad = timed(engine, state, engine.shard_batch(batch), args.steps)
+                rows.append({**base, "layout": "padded", "row_tokens": P_MAX + R_MAX, "micro_per_device": args.micro,
+                             "step_s": t_pad, "useful_tokens_per_s": useful / t_pad,
+                             "computed_tokens": args.seqs * (P_MAX + R_MAX), "pg_loss": loss_pad})
+                print(json.dumps(rows[-1]), flush=True)
             for budget in budgets:
                 for windows in args.windows.split(","):
                     packed = pack(batch, R_MAX, budget, shards, window=P_MAX + R_MAX if windows == "on" else None)
-                    state, t_pack, loss_pack = timed(engine, state, engine.shard_packed(packed), args.steps)
+                    dev = engine.shard_packed(packed)
+                    state, t_pack, loss_pack = timed(engine, state, dev, args.steps)
                     n_micro, _, row, runs = packed.shape_key
                     k = packed.arrays["segment_starts"].shape[2]
                     rows.append({**base, "layout": "packed", "budget": budget, "row_tokens": row,
                                  "micro_batches": n_micro, "attention_windows": k,
                                  "runs_per_window": runs, "rows_used": sum(1 for m in packed.members if m),
                                  "step_s": t_pack, "useful_tokens_per_s": useful / t_pack,
-                                 "computed_tokens": n_micro * shards * row, "speedup_vs_padded": t_pad / t_pack,
+                                 "computed_tokens": n_micro * shards * row,
+                                 **({"speedup_vs_padded": t_pad / t_pack} if t_pad else {}),
+                                 **({"forward_s": timed_forward(engine, state.params, dev, args.steps)}
+                                    if args.forward else {}),
                                  "pg_loss": loss_pack, "samples": args.steps})
                     print(json.dumps(rows[-1]), flush=True)
             del engine, state
         del params
-    print(f"\n{'model':14} {'attention':10} {'layout':7} {'budget':>6} {'row':>5} {'windows':>7} {'step_s':>8} "
-          f"{'useful tok/s':>13} {'computed/useful':>16} {'speedup':>8}")
+    print(f"\n{'model':14} {'attention':10} {'layout':7} {'budget':>6} {'row':>5} {'windows':>7} {'chunk':>6} {'step_s':>8} "
+          f"{'forward_s':>9} {'useful tok/s':>13} {'computed/useful':>16} {'speedup':>8}")
     for r in rows:
         if "step_s" not in r:
             continue
         print(f"{r['model']:14} {r['attention']:10} {r['layout']:7} {r.get('budget', r['row_tokens']):6d} {r['row_tokens']:5d} "
-              f"{r.get('attention_windows', 1):7d} {r['step_s']:8.3f} {r['useful_tokens_per_s']:13.0f} "
+              f"{r.get('attention_windows', 1):7d} {r['logprob_chunk_size']:6d} {r['step_s']:8.3f} "
+              f"{r.get('forward_s', float('nan')):9.3f} {r['useful_tokens_per_s']:13.0f} "
               f"{r['computed_tokens'] / r['useful_tokens']:16.2f} {r.get('speedup_vs_padded', 1.0):8.2f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
