@@ -91,6 +91,24 @@ def timed_forward(engine, params, batch, steps) -> float:
     return float(np.median(times))
 
 
+def profiled(engine, state, batch, forward: bool, out: Path) -> tuple[object, dict]:
+    """One more update (and log-prob pass) under JAX's profiler: (the new state, the device ops by time from
+    scripts/trace_summary.py)."""
+    from scripts.trace_summary import find_traces, load_events, print_summary, summarise
+
+    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+        state, m = engine.update(state, batch)
+        jax.block_until_ready(m)
+        if forward:
+            jax.block_until_ready(engine.logprobs(state.params, batch))
+    traces = find_traces(out)
+    if not traces:
+        return state, {}
+    summary = summarise(load_events(traces[-1]), top=30)
+    print_summary(summary)
+    return state, summary
+
+
 def check(name: str, engines: dict, params, batch: dict, packed: dict) -> list[dict]:
     """Each attention against XLA's with the dense mask (engines["xla"]), same parameters: max |log-prob
     difference| over response tokens (padded, and each packed layout of `packed`: rows of one attention window,
@@ -138,6 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-remat", type=int, default=1, help="actor.logprob_remat (0: each chunk's logits kept)")
     p.add_argument("--forward", action="store_true", help="also time the log-prob pass (no gradient)")
     p.add_argument("--no-padded", action="store_true", help="time the packed layouts only")
+    p.add_argument("--profile", default=None, help="dir: trace one more packed update (and log-prob pass) per "
+                   "configuration and summarise its device ops (scripts/trace_summary.py)")
     p.add_argument("--ledger", default=None, help="append each timed row (bench `packing`) to this ledger")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -192,6 +212,9 @@ def main(argv=None) -> int:
                                  **({"forward_s": timed_forward(engine, state.params, dev, args.steps)}
                                     if args.forward else {}),
                                  "pg_loss": loss_pack, "samples": args.steps})
+                    if args.profile:
+                        state, rows[-1]["profile"] = profiled(
+                            engine, state, dev, args.forward, Path(args.profile) / f"{name}_{impl}_{budget}_{windows}_{chunk}")
                     print(json.dumps(rows[-1]), flush=True)
             del engine, state
         del params
