@@ -33,6 +33,7 @@ from jaxppo.accumulate import HostLoop, _without, minibatch_gradients, optimizer
 from jaxppo.device_batches import DeviceBatches, merge_micro, split_micro
 from jaxppo.errors import ConfigError
 from jaxppo.models.lora import LoraSpec
+from jaxppo.models.transformer import head_logits, head_weight
 from jaxppo.ppo.bypass import bypass_policy_loss
 from jaxppo.ppo.policy_losses import compute_policy_loss
 from jaxppo.programs import Memory, Program
@@ -113,14 +114,19 @@ def response_head(module: nn.Module, params: Any, batch: Batch, response_length:
         pick = lambda h: _chunks(h[:, -r - 1:-1], chunk_size)  # noqa: E731
         targets = _chunks(batch["input_ids"][:, -r:], chunk_size)
     xs = (pick(hidden), targets) + (() if ref_hidden is None else (pick(ref_hidden),))
+    # the head's weights cast to the compute dtype once here, not once per chunk inside the loop (`head_logits`)
+    weights = lambda m, p: (jax.lax.stop_gradient(head_weight(m.cfg, p).astype(m.dtype)),  # noqa: E731
+                            head_weight(m.cfg, p))
+    head_w = weights(module, params)
+    ref_w = None if ref_params is None else jax.tree.map(jax.lax.stop_gradient, weights(ref_module, ref_params))
 
-    def scaled_logits(p, h_c, m=module):
-        logits = m.apply({"params": p}, h_c, method="logits")
+    def scaled_logits(w, h_c):
+        logits = head_logits(h_c.astype(w[0].dtype), *w)
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # float64 in a float64 model
         return logits / temperature if temperature != 1.0 else logits
 
     def one(h_c, t_c, *ref_c):
-        logits = scaled_logits(params, h_c)
+        logits = scaled_logits(head_w, h_c)
         lse = jax.nn.logsumexp(logits, axis=-1)
         out = {"logprobs": jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0] - lse}
         out["entropy"] = (lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if with_entropy
@@ -129,7 +135,7 @@ def response_head(module: nn.Module, params: Any, batch: Batch, response_length:
             out["sampling_logprobs"] = jax.lax.stop_gradient(truncated_logprobs(logits, t_c, *truncation))
         if ref_c:
             lp_all = logits - lse[..., None]
-            ref_all = jax.nn.log_softmax(jax.lax.stop_gradient(scaled_logits(ref_params, ref_c[0], ref_module)), -1)
+            ref_all = jax.nn.log_softmax(jax.lax.stop_gradient(scaled_logits(ref_w, ref_c[0])), -1)
             out["kl_full"] = jnp.sum(jnp.exp(lp_all) * (lp_all - ref_all), axis=-1)
         return out
 

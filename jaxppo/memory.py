@@ -251,7 +251,10 @@ def activation_bytes(cfg: Any, model: ModelConfig, tokens: int, rows: int, train
     out = per_token * model.hidden_size * s * tokens / max(cfg.mesh.tensor, 1)
     if lm_head:
         a = cfg.actor
-        chunk = rows * min(a.logprob_chunk_size, cfg.data.max_response_length) * model.vocab_size * 4 * HEAD_TEMPS
+        # a chunk holds `logprob_chunk_size` response tokens of each row: of a padded row at most its response, of a
+        # packed row at most the row
+        per_row = min(a.logprob_chunk_size, tokens // rows if a.use_dynamic_bsz else cfg.data.max_response_length)
+        chunk = rows * per_row * model.vocab_size * 4 * HEAD_TEMPS
         kept = 0.0
         if training and not a.logprob_remat:  # every response token's logits kept for the backward pass
             # (padded rows hold at most R response tokens each; a packed row, up to all of its tokens)

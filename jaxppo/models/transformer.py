@@ -61,6 +61,38 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
+@jax.custom_vjp
+def head_logits(h: Float[Array, "... d"], w_c: Float[Array, "v d"], w: Float[Array, "v d"]) -> Float[Array, "... v"]:
+    """Logits h w_c^T in the compute dtype, where `w_c` is the head's weights `w` cast to it once, outside the
+    loop over the head's chunks (no cast of the whole [vocab, d] matrix per chunk), and the gradient goes to the
+    master weights `w` straight from the GEMM in `w`'s dtype (float32: no rounding of a chunk's [vocab, d]
+    gradient to the compute dtype before it is summed). Forward and the gradient w.r.t. `h` are `_dense`'s;
+    `w_c` gets none (hold it under `stop_gradient`)."""
+    return _dense(h, w_c)
+
+
+def _head_logits_fwd(h, w_c, w):
+    return _dense(h, w_c), (h, w_c, jnp.zeros((), w.dtype))
+
+
+def _head_logits_bwd(res, g):
+    h, w_c, w_dtype = res
+    lead = tuple(range(h.ndim - 1))
+    dh = jax.lax.dot_general(g, w_c, (((g.ndim - 1,), (0,)), ((), ())))
+    dw = jax.lax.dot_general(g, h, ((lead, lead), ((), ())), preferred_element_type=w_dtype.dtype)
+    return dh.astype(h.dtype), None, dw
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
+
+def head_weight(cfg: ModelConfig, params: Any) -> jax.Array:
+    """`CausalLM`'s vocabulary head [vocab, d] in `params`: the token embedding when tied, else `lm_head`."""
+    if cfg.tie_word_embeddings:
+        return params["model"]["embed_tokens"]["weight"]
+    return params["lm_head"]["weight"]
+
+
 def positions_from_mask(attention_mask: Int[Array, "b t"]) -> Int[Array, "b t"]:
     """Position ids as transformers derives them for left-padded rows: 0 at the first valid token."""
     return jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0).astype(jnp.int32)
