@@ -77,9 +77,11 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
 
 
 def _chunks(x: jax.Array, size: int) -> jax.Array:
-    """[b, r, ...] -> [n_chunks, b, size, ...], zero-padded at the end."""
+    """[b, r, ...] -> [n, b, c, ...] in n = ceil(r / size) equal chunks of c = ceil(r / n) <= size, zero-padded at
+    the end (by fewer than n: a size above r is one chunk of r, not a chunk of `size` mostly padding)."""
     b, r = x.shape[:2]
     n = -(-r // size)
+    size = -(-r // n)
     x = jnp.pad(x, [(0, 0), (0, n * size - r)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape((b, n, size) + x.shape[2:]), 1, 0)
 

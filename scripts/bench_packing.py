@@ -214,12 +214,13 @@ def main(argv=None) -> int:
                                  "pg_loss": loss_pack, "samples": args.steps})
                     if args.profile:
                         state, rows[-1]["profile"] = profiled(
-                            engine, state, dev, args.forward, Path(args.profile) / f"{name}_{impl}_{budget}_{windows}_{chunk}")
+                            engine, state, dev, args.forward,
+                            Path(args.profile) / f"{name}_{impl}_{budget}_{windows}_{chunk}")
                     print(json.dumps(rows[-1]), flush=True)
             del engine, state
         del params
-    print(f"\n{'model':14} {'attention':10} {'layout':7} {'budget':>6} {'row':>5} {'windows':>7} {'chunk':>6} {'step_s':>8} "
-          f"{'forward_s':>9} {'useful tok/s':>13} {'computed/useful':>16} {'speedup':>8}")
+    print(f"\n{'model':14} {'attention':10} {'layout':7} {'budget':>6} {'row':>5} {'windows':>7} {'chunk':>6} "
+          f"{'step_s':>8} {'forward_s':>9} {'useful tok/s':>13} {'computed/useful':>16} {'speedup':>8}")
     for r in rows:
         if "step_s" not in r:
             continue
