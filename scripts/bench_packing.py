@@ -14,6 +14,7 @@ remat); median over `--steps`. Prints a table and one JSON line per configuratio
 `cudnn_mask` is the former layout (cuDNN with a [row, row] mask as a bias), to compare against.
 `--check` (first model): log-probs and one update's loss / gradient norm of each attention against XLA's
 attention with the dense mask, padded and packed, on the same parameters.
+`--lora R` trains rank-R adapters on the frozen bf16 base (the 7B LoRA configs' update, with `--loop host`).
 `--chunk 256,2048` times each size of the vocabulary head's chunks (`actor.logprob_chunk_size`: response tokens
 of a row per chunk; a packed row's chunk is that many of its response tokens), `--forward` the log-prob pass
 (no gradient: the reference's and old policy's) beside each update, and `--dist full` gives the committed GSM8K
@@ -41,6 +42,7 @@ import numpy as np  # noqa: E402
 from jaxppo.config import ActorConfig, OptimConfig  # noqa: E402
 from jaxppo.engine import ActorEngine  # noqa: E402
 from jaxppo.models import abstract_params, build_model, init_params  # noqa: E402
+from jaxppo.models.lora import LoraSpec, is_adapter  # noqa: E402
 from jaxppo.packing import pack  # noqa: E402
 from jaxppo.sharding import make_mesh, param_shardings  # noqa: E402
 from scripts.shapes import SHAPES  # noqa: E402
@@ -154,6 +156,10 @@ def main(argv=None) -> int:
                    "comma list of on, off (each timed)")
     p.add_argument("--chunk", default="512", help="the head's chunk sizes to time (comma list; response tokens a row)")
     p.add_argument("--head-remat", type=int, default=1, help="actor.logprob_remat (0: each chunk's logits kept)")
+    p.add_argument("--lora", type=int, default=0, help="LoRA adapters of this rank on every projection, the base "
+                   "frozen in bf16 (0: full fine-tuning)")
+    p.add_argument("--loop", default="scan", choices=["scan", "host"], help="model.micro_batch_loop (host: the LoRA "
+                   "configs' loop)")
     p.add_argument("--forward", action="store_true", help="also time the log-prob pass (no gradient)")
     p.add_argument("--no-padded", action="store_true", help="time the packed layouts only")
     p.add_argument("--profile", default=None, help="dir: trace one more packed update (and log-prob pass) per "
@@ -171,7 +177,9 @@ def main(argv=None) -> int:
                        logprob_chunk_size=chunks[0], logprob_remat=bool(args.head_remat), optim=OptimConfig(lr=1e-6))
     for k, name in enumerate(args.model.split(",")):
         cfg = SHAPES[name]
-        build = lambda impl: build_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=args.remat,  # noqa: E731
+        lora = dict(lora=LoraSpec(args.lora, 2.0 * args.lora), param_dtype=jnp.bfloat16) if args.lora else \
+            dict(param_dtype=jnp.float32)  # LoRA: the base frozen in bf16, as the LoRA configs
+        build = lambda impl: build_model(cfg, dtype=jnp.bfloat16, remat=args.remat, **lora,  # noqa: E731
                                          attention_impl=None if impl == "xla" else impl, attention_window=P_MAX + R_MAX)
         reference = build("xla")
         params = init_params(reference, jax.random.PRNGKey(0), param_shardings(abstract_params(reference), mesh))
@@ -184,10 +192,12 @@ def main(argv=None) -> int:
             rows += check(name, {i: ActorEngine(build(i), mesh, acfg, R_MAX) for i in ["xla"] + impls}, params, batch,
                           layouts)
         for impl, chunk in [(i, c) for i in impls for c in chunks]:
-            engine = ActorEngine(build(impl), mesh, dataclasses.replace(acfg, logprob_chunk_size=chunk), R_MAX)
+            engine = ActorEngine(build(impl), mesh, dataclasses.replace(acfg, logprob_chunk_size=chunk), R_MAX,
+                                 trainable=is_adapter if args.lora else None)
+            engine.micro_batch_loop = args.loop
             state = engine.init_state(jax.tree.map(jnp.copy, params))
             base = {"model": name, "seqs": args.seqs, "dist": args.dist, "useful_tokens": useful, "attention": impl,
-                    "remat": args.remat, "logprob_chunk_size": chunk,
+                    "remat": args.remat, "logprob_chunk_size": chunk, "lora_rank": args.lora, "loop": args.loop,
                     "logprob_remat": bool(args.head_remat), "device": jax.devices()[0].device_kind}
             t_pad = None
             if not args.no_padded:

@@ -175,6 +175,20 @@ def test_bench_packing_runs_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_packing_times_head_chunks_and_lora(tmp_path):
+    """The head's chunk sizes side by side (`--chunk`), the log-prob pass timed (`--forward`), LoRA on the host loop:
+    one packed row per size, each naming its size and carrying the forward time."""
+    out = tmp_path / "p.json"
+    run_script("bench_packing.py", "--model", "tiny", "--seqs", "8", "--budget", "512", "--steps", "1", "--dist",
+               "full", "--chunk", "8,64", "--forward", "--no-padded", "--head-remat", "0", "--lora", "2", "--loop",
+               "host", "--json-out", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["logprob_chunk_size"] for r in rows] == [8, 64]
+    assert all(r["layout"] == "packed" and r["forward_s"] > 0 and r["lora_rank"] == 2 and r["loop"] == "host"
+               and r["logprob_remat"] is False for r in rows)
+
+
+@pytest.mark.slow
 def test_compare_modes_records_each_run_and_the_on_policy_modes_train_alike(tmp_path):
     """scripts/compare_modes.py: a ledger row per run with its phases; the synchronous run and the one with the next
     batch generated during the critic's update (the same computations, reordered) log the same training score and

@@ -81,6 +81,11 @@ queue() {
   # packing05_windows: packed rows cut into attention windows (jaxppo/packing.py, `window`) against rows of one
   # window, cuDNN's packed attention, 0.5B: parity with XLA's dense mask at an 8192-token budget (log-probs, one
   # update's loss and gradient norm), then the update timed at 32768 (medians of 8), each layout
+  # head15_chunks / head7b_lora_chunks: the vocabulary head's chunk sizes (actor.logprob_chunk_size: 256, the 7B
+  # configs' value, against 1024 / 2048, the 0.5B family's since 76b7486) on one 64-sequence mini-batch of the configs'
+  # batch at the plans' update budget on an H100 (7168), update and log-prob pass timed (JAX only, no vLLM): whether
+  # the 1.5B gain matches 0.5B's and whether the 7B LoRA configs should follow (docs/benchmarks.md, "The vocabulary
+  # head's chunks")
   # lora7b_unroll4 / lora7b_bypass_awake_unroll4 / grpo7b_unroll4: the 7B configs
   # with model.scan_unroll=4 (meant to fit a larger update budget; the loop costs ~8 % at a fixed budget, 1.5B on an
   # H200, 2026-11-30; thought moot when one micro-batch's compile on an H100 held more with the loop than unrolled,
@@ -114,6 +119,8 @@ queue() {
   local LB="$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl"
   cat <<EOF
 packing05_windows|$PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 64 --budget 8192 --steps 3 --remat dots_attn --attention cudnn --windows on,off --check --ledger $Q/results.jsonl --json-out $Q/packing05_check.json && $PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 128 --budget 32768 --steps 8 --remat dots_attn --attention cudnn --windows on,off --ledger $Q/results.jsonl --json-out $Q/packing05_windows.json
+head15_chunks|$PY scripts/bench_packing.py --model qwen2.5-1.5b --seqs 64 --dist full --budget 7168 --windows on --chunk 256,1024,2048 --forward --head-remat 0 --remat dots_attn --no-padded --attention cudnn --steps 8 --ledger $Q/results.jsonl --json-out $Q/head15_chunks.json
+head7b_lora_chunks|$PY scripts/bench_packing.py --model qwen2.5-7b --lora 64 --loop host --seqs 64 --dist full --budget 7168 --windows on --chunk 256,1024,2048 --forward --head-remat 0 --remat dots_attn --no-padded --attention cudnn --steps 8 --ledger $Q/results.jsonl --json-out $Q/head7b_lora_chunks.json
 sync05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05.json --workdir $Q/w/sync05
 sync05_base|cd /tmp/base && JAXPPO_COMMIT=\$(cat /tmp/base/.commit) $B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/sync05_base.json --workdir $Q/w/sync05_base
 critic05|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/critic05.json --workdir $Q/w/critic05 trainer.rollout_during_critic_update=true
