@@ -96,17 +96,16 @@ def timed_forward(engine, params, batch, steps) -> float:
 def profiled(engine, state, batch, forward: bool, out: Path) -> tuple[object, dict]:
     """One more update (and log-prob pass) under JAX's profiler: (the new state, the device ops by time from
     scripts/trace_summary.py)."""
-    from scripts.trace_summary import find_traces, load_events, print_summary, summarise
+    from scripts.trace_summary import print_summary, summarise_latest
 
     with jax.profiler.trace(str(out), create_perfetto_trace=True):
         state, m = engine.update(state, batch)
         jax.block_until_ready(m)
         if forward:
             jax.block_until_ready(engine.logprobs(state.params, batch))
-    traces = find_traces(out)
-    if not traces:
+    summary = summarise_latest(out, top=30)
+    if summary is None:
         return state, {}
-    summary = summarise(load_events(traces[-1]), top=30)
     print_summary(summary)
     return state, summary
 
@@ -175,10 +174,10 @@ def main(argv=None) -> int:
     chunks = [int(c) for c in args.chunk.split(",")]
     acfg = ActorConfig(ppo_micro_batch_size_per_device=args.micro, log_prob_micro_batch_size_per_device=args.micro,
                        logprob_chunk_size=chunks[0], logprob_remat=bool(args.head_remat), optim=OptimConfig(lr=1e-6))
+    lora = dict(lora=LoraSpec(args.lora, 2.0 * args.lora), param_dtype=jnp.bfloat16) if args.lora else \
+        dict(param_dtype=jnp.float32)  # LoRA: the base frozen in bf16, as the LoRA configs
     for k, name in enumerate(args.model.split(",")):
         cfg = SHAPES[name]
-        lora = dict(lora=LoraSpec(args.lora, 2.0 * args.lora), param_dtype=jnp.bfloat16) if args.lora else \
-            dict(param_dtype=jnp.float32)  # LoRA: the base frozen in bf16, as the LoRA configs
         build = lambda impl: build_model(cfg, dtype=jnp.bfloat16, remat=args.remat, **lora,  # noqa: E731
                                          attention_impl=None if impl == "xla" else impl, attention_window=P_MAX + R_MAX)
         reference = build("xla")

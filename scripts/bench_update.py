@@ -90,16 +90,16 @@ def bench_jax(cfg, args, batch_np) -> dict:
     out = {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(m["pg_loss"]),
            "peak_mem_gb": mem.get("peak_bytes_in_use", 0) / 2**30, "state_gb": state_gb, "samples": len(times)}
     if args.profile:  # one more step under the profiler: where the device time goes
-        from scripts.trace_summary import find_traces, load_events, print_summary, summarise
+        from scripts.trace_summary import print_summary, summarise_latest
 
         d = Path(args.profile) / f"{args.current}_{args.remat}"
         with jax.profiler.trace(str(d), create_perfetto_trace=True):
             state, m = engine.update(state, batch)
             jax.block_until_ready(m)
-        traces = find_traces(d)
-        if traces:
-            out["profile"] = summarise(load_events(traces[-1]), top=40)
-            print_summary(out["profile"])
+        summary = summarise_latest(d, top=40)
+        if summary is not None:
+            out["profile"] = summary
+            print_summary(summary)
     return out
 
 

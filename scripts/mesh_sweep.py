@@ -103,15 +103,14 @@ def run_one(args) -> dict:
         times[name] = float(np.median(ts))
     profile = None
     if args.profile:  # one more of each phase under the profiler: where the device time goes
-        from scripts.trace_summary import find_traces, load_events, summarise
+        from scripts.trace_summary import summarise_latest
 
         out = Path(args.profile) / args.one.replace("=", "").replace(",", "_")
         with jax.profiler.trace(str(out), create_perfetto_trace=True):
             for name, fn in phases.items():
                 with jax.profiler.TraceAnnotation(name):
                     jax.block_until_ready(fn())
-        traces = find_traces(out)
-        profile = summarise(load_events(traces[-1]), top=12) if traces else None
+        profile = summarise_latest(out, top=12)
     tokens = args.batch * args.seq
     step = sum(times.values())
     peak = device_peak_flops()[0]  # the card's specified peak (a measured one where it is not known)

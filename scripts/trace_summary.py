@@ -192,6 +192,13 @@ def find_traces(root: Path) -> list[Path]:
         sorted(root.rglob("torch_trace.json*"))
 
 
+def summarise_latest(root: Path, top: int = 15) -> dict[str, dict] | None:
+    """The newest JAX trace under `root` (what `jax.profiler.trace(str(root), create_perfetto_trace=True)` wrote)
+    summarised per device (`summarise`); None where the profiler wrote none (a CPU backend without a device trace)."""
+    traces = find_traces(root)
+    return summarise(load_events(traces[-1]), top=top) if traces else None
+
+
 def print_summary(summary: dict[str, dict]) -> None:
     for dev, s in summary.items():
         cats = "  ".join(f"{k} {v:.1f}" for k, v in s["categories_ms"].items())

@@ -3,7 +3,7 @@
 import gzip
 import json
 
-from scripts.trace_summary import category, find_traces, summarise, union_length
+from scripts.trace_summary import category, find_traces, summarise, summarise_latest, union_length
 
 
 def meta(pid, name, tid=None):
@@ -49,6 +49,7 @@ def test_summary_per_device_streams_only(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     assert find_traces(tmp_path) == [path]
+    assert summarise_latest(tmp_path) == s and summarise_latest(tmp_path / "plugins" / "none") is None
 
 
 def test_a_torch_trace_tells_streams_at_once_and_each_regions_gpu_share(tmp_path):
