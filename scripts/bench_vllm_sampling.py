@@ -18,6 +18,10 @@ with the engine's arguments in force (`engine_args`: prefix caching, asynchronou
 Engine arguments, one engine per process (compare them in separate runs of one call):
   --no-prefix-caching   rollout.enable_prefix_caching=false (on by default, as verl)
   --engine-kwargs JSON  further vLLM EngineArgs, as rollout.engine_kwargs.vllm: '{"async_scheduling": false}'
+  --cpus LIST           the process (and every thread vLLM starts) held to these CPUs, e.g. 3 or 2,3 or 0-3: whether
+                        the host-bound generation's spread between calls (1.45-2.47 s for the same 1.5B batch in one
+                        process, 2026-12-07) follows where the scheduler puts its threads. The row keeps the CPUs in
+                        force and their SMT siblings (`cpu_placement`).
 
 `--profile-way WAY[,WAY]` then runs one more call of each way named under cProfile (the host's side of a generation: which of
 vLLM's functions the time goes to, per decode step) and prints the functions that took the most time of their own
@@ -103,7 +107,8 @@ def measure(engine, vocab: int, ways: list[str], prompts: int, n: int, tokens: i
     return {w: {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs[w]),
                 "wall_s": statistics.median(x["wall_s"] for x in runs[w]),
                 "cpu_s": statistics.median(x["cpu_s"] for x in runs[w]),
-                "tokens_per_s_all": [x["tokens_per_s"] for x in runs[w]]} for w in ways}
+                "tokens_per_s_all": [x["tokens_per_s"] for x in runs[w]],
+                "wall_s_all": [round(x["wall_s"], 3) for x in runs[w]]} for w in ways}
 
 
 def profile_call(engine, vocab: int, way: str, prompts: int, n: int, tokens: int, prompt_len: int,
@@ -137,6 +142,26 @@ def profile_call(engine, vocab: int, way: str, prompts: int, n: int, tokens: int
             "by_cumulative_time": sorted(rows, key=lambda r: -r[3])[:top]}
 
 
+def parse_cpus(text: str) -> set[int]:
+    """"0-3,8" -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def cpu_placement() -> dict:
+    """The CPUs this process may run on, how many the machine has, and each allowed CPU's SMT siblings as the
+    kernel lists them ("2,10": CPUs 2 and 10 share one core; absent where /sys does not say)."""
+    siblings = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        f = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        if f.exists():
+            siblings[str(cpu)] = f.read_text().strip()
+    return {"cpus": sorted(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(), "siblings": siblings}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", required=True)
@@ -157,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="vLLM without prefix caching (rollout.enable_prefix_caching=false; on by default, as verl)")
     p.add_argument("--engine-kwargs", default="{}", type=json.loads,
                    help='further vLLM engine arguments as JSON, as rollout.engine_kwargs.vllm: \'{"async_scheduling": false}\'')
+    p.add_argument("--cpus", default=None, type=parse_cpus, help="hold the process to these CPUs: 3, 2,3, 0-3")
     p.add_argument("--workdir", default="/tmp/jaxppo_bench_vllm_sampling")
     p.add_argument("--json-out", default=None)
     p.add_argument("--ledger", default=None, help="ledger file (default: the repo's)")
@@ -167,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         for w in chosen:
             if w not in WAYS:
                 p.error(f"{flag}: unknown way {w!r}; known: {', '.join(WAYS)}")
+    if args.cpus:  # before any thread starts: vLLM's and torch's threads inherit it
+        os.sched_setaffinity(0, args.cpus)
+    placement = cpu_placement()
     # JAX is imported (bridge's weight types) but never used here: it must not take the card vLLM is given
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import torch
@@ -186,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     figures = measure(engine, SHAPES[args.shape].vocab_size, ways, args.prompts, args.n, args.tokens,
                       args.prompt_len, args.repeats)
     print(f"{args.shape}: {args.prompts} prompts x {args.n} x {args.tokens} tokens, {args.repeats} repeats each "
-          f"({'GPU' if gpu else 'CPU'}); vLLM {', '.join(f'{k} {v}' for k, v in engine_args.items())}")
+          f"({'GPU' if gpu else 'CPU'}); vLLM {', '.join(f'{k} {v}' for k, v in engine_args.items())}; "
+          f"CPUs {placement['cpus']} of {placement['cpu_count']}")
     for w, f in figures.items():
-        print(f"  {w:<18} {f['tokens_per_s']:10.0f} tokens/s  wall {f['wall_s']:.3f} s  cpu {f['cpu_s']:.3f} s")
+        print(f"  {w:<18} {f['tokens_per_s']:10.0f} tokens/s  wall {f['wall_s']:.3f} s  cpu {f['cpu_s']:.3f} s  "
+              f"(each call's wall s: {' '.join(f'{x:.2f}' for x in f['wall_s_all'])})")
     extra = {"profiles": []}
     for way in profiled:
         prof = profile_call(engine, SHAPES[args.shape].vocab_size, way, args.prompts, args.n, args.tokens,
@@ -202,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         extra["profiles"].append(prof)
     row = ledger.make_row("vllm_sampling", figures, shape=args.shape, prompts=args.prompts, n=args.n,
                           tokens=args.tokens, prompt_len=args.prompt_len, max_model_len=max_model_len,
-                          engine_args=engine_args,
+                          engine_args=engine_args, cpu_placement=placement,
                           samples={"repeats": args.repeats},
                           command=None if argv is None else " ".join(["python scripts/bench_vllm_sampling.py", *argv]))
     if args.json_out:

@@ -4,7 +4,9 @@ writes a well-formed ledger row. GPU-only measurements skip with the reason."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 
@@ -222,6 +224,21 @@ def test_bench_vllm_sampling_refuses_an_unknown_way_before_starting_an_engine(ca
     with pytest.raises(SystemExit) as e:
         bench_vllm_sampling.main(["--shape", "tiny", "--profile-way", "no_logprobs,slow"])
     assert e.value.code == 2 and "--profile-way: unknown way 'slow'" in capsys.readouterr().err
+
+
+def test_bench_vllm_sampling_cpus_parse_and_placement_in_a_held_process():
+    """`--cpus` as taskset writes it, and `cpu_placement` reports the CPUs a process is held to (in a child that
+    holds itself to one CPU, as the benchmark does before vLLM starts its threads)."""
+    from scripts.bench_vllm_sampling import parse_cpus
+
+    assert parse_cpus("0-3,8") == {0, 1, 2, 3, 8} and parse_cpus("3") == {3} and parse_cpus("2,3,") == {2, 3}
+    cpu = max(os.sched_getaffinity(0))
+    code = ("import json, os, sys; sys.path.insert(0, sys.argv[1]); from scripts.bench_vllm_sampling import "
+            f"cpu_placement; os.sched_setaffinity(0, {{{cpu}}}); print(json.dumps(cpu_placement()))")
+    got = json.loads(subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True,
+                                    timeout=120, check=True).stdout)
+    assert got["cpus"] == [cpu] and got["cpu_count"] == os.cpu_count()
+    assert set(got["siblings"]) <= {str(cpu)} and all(cpu in parse_cpus(v) for v in got["siblings"].values())
 
 
 def test_bench_vllm_engines_refuses_a_split_that_is_not_even_before_starting_an_engine(capsys):

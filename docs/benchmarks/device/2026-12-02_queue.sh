@@ -101,6 +101,9 @@ queue() {
   # knobs05*: standalone vLLM at the 0.5B config's generation (256 x 256 tokens, no log-probs, the trainer's
   # max_model_len), one engine per process: vLLM's defaults (asynchronous scheduling, prefix caching) against
   # rollout.engine_kwargs.vllm.async_scheduling=false and rollout.enable_prefix_caching=false, alone and together
+  # pin05*: knobs05_noprefix (the committed configs' engine) with 12 calls, the process held to 1, 2 or 4 CPUs
+  # (--cpus) or free (pin05_all, which also logs lscpu): whether the host-bound generation's two speeds from call to
+  # call (1.5B standalone 1.45 / 2.3 s in one process, 2026-12-07) follow where its threads are placed
   # grpo15*: the GRPO 1.5B config (1280 sequences a step) with vLLM's default of 1024 sequences at once, and at 512 /
   # 256 (rollout.max_num_seqs): vLLM captures decode CUDA graphs up to 512 sequences, and at 8f64328 the config's
   # generation took 16.9 s (2 waves of ~1005) against 1.8 s for the 1.5B PPO config's 256
@@ -191,6 +194,10 @@ knobs05_default|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompt
 knobs05_sync|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/knobs05_sync.json --workdir $Q/w/knobs
 knobs05_noprefix|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/knobs05_noprefix.json --workdir $Q/w/knobs
 knobs05_sync_noprefix|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/knobs05_sync_noprefix.json --workdir $Q/w/knobs
+pin05_all|lscpu; lscpu -e; $PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/pin05_all.json --workdir $Q/w/pin05
+pin05_1|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --cpus 3 --json-out $Q/pin05_1.json --workdir $Q/w/pin05
+pin05_2|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --cpus 2,3 --json-out $Q/pin05_2.json --workdir $Q/w/pin05
+pin05_4|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --cpus 0-3 --json-out $Q/pin05_4.json --workdir $Q/w/pin05
 engines05|$PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 1,2,4 --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/engines05.json --workdir $Q/w/engines05
 engines05_async|$PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 2,1 --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/engines05_async.json --workdir $Q/w/engines05
 engines05_mps|export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d && $PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 1,2,4 --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/engines05_mps.json --workdir $Q/w/engines05; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc
