@@ -1,5 +1,6 @@
 # Device session (one H200): a queue of runs in the background that outlives each 600 s call, so that one warm
-# machine runs them back to back (starts of 7B runs take longer than a call). Usage, from the repo root there:
+# machine runs them back to back (starts of 7B runs take longer than a call); what the calls carry besides the tree
+# is built here first (docs/benchmarks/device/kit.sh). Usage, from the repo root there:
 #   JAXPPO_COMMIT=<commit> [JOBS=a,b] bash docs/benchmarks/device/2026-12-02_queue.sh start  (launch, returns)
 #   bash docs/benchmarks/device/2026-12-02_queue.sh wait <seconds>                    (wait, then copy results)
 # Each run is a fresh process (scripts/bench_ppo_step.py or scripts/check_configs.py, committed configs, random
