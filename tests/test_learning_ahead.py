@@ -45,7 +45,9 @@ def test_one_step_ahead_ends_within_005_of_the_synchronous_run_over_five_seeds(t
     score 0.481 against 0.454, every figure equal to 703f442's (docs/benchmarks/learning/cpu_async_vs_sync_2026-12-07).
     Failed on the machine without AVX-512, whose CPU code rounds differently from the warm start on: at 25072f3
     0.667 against 0.604, training score 0.481 against 0.437 (2026-12-04); at aa7b143, seeds 0-3, 0.676 against 0.602
-    (docs/benchmarks/learning/cpu_async_vs_sync_2026-12-04). The gap sits on the 0.05 the issue asks."""
+    (docs/benchmarks/learning/cpu_async_vs_sync_2026-12-04); at e16db13 (2026-12-07) again 0.667 against 0.604, every
+    figure equal to 25072f3's. Over ten seeds there: validation -0.047, training score -0.055 (with AVX-512: -0.025,
+    -0.035; docs/benchmarks/learning/cpu_async_vs_sync_noavx512_2026-12-07). The gap sits on the 0.05 the issue asks."""
     import json
 
     from tests.train_helpers import read_metrics, seed_warm_start, shared_tmp, start_train
