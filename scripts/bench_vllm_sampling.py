@@ -154,12 +154,13 @@ def parse_cpus(text: str) -> set[int]:
 def cpu_placement() -> dict:
     """The CPUs this process may run on, how many the machine has, and each allowed CPU's SMT siblings as the
     kernel lists them ("2,10": CPUs 2 and 10 share one core; absent where /sys does not say)."""
+    cpus = sorted(os.sched_getaffinity(0))
     siblings = {}
-    for cpu in sorted(os.sched_getaffinity(0)):
+    for cpu in cpus:
         f = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
         if f.exists():
             siblings[str(cpu)] = f.read_text().strip()
-    return {"cpus": sorted(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(), "siblings": siblings}
+    return {"cpus": cpus, "cpu_count": os.cpu_count(), "siblings": siblings}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,6 +120,7 @@ queue() {
   local MPS_ON="export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d &&"
   local MPS_OFF="; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
   # the 7B LoRA update's buffers (docs/benchmarks/device/2026-12-06_lora_update_buffers.py) at 1024 and 2048 tokens
+  local PIN="$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --workdir $Q/w/pin05"  # the pin05* jobs' one command, held to other CPUs
   local LB="$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl"
   cat <<EOF
 packing05_windows|$PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 64 --budget 8192 --steps 3 --remat dots_attn --attention cudnn --windows on,off --check --ledger $Q/results.jsonl --json-out $Q/packing05_check.json && $PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 128 --budget 32768 --steps 8 --remat dots_attn --attention cudnn --windows on,off --ledger $Q/results.jsonl --json-out $Q/packing05_windows.json
@@ -195,10 +196,10 @@ knobs05_default|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompt
 knobs05_sync|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/knobs05_sync.json --workdir $Q/w/knobs
 knobs05_noprefix|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/knobs05_noprefix.json --workdir $Q/w/knobs
 knobs05_sync_noprefix|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 8 --ways no_logprobs --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/knobs05_sync_noprefix.json --workdir $Q/w/knobs
-pin05_all|lscpu; lscpu -e; $PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/pin05_all.json --workdir $Q/w/pin05
-pin05_1|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --cpus 3 --json-out $Q/pin05_1.json --workdir $Q/w/pin05
-pin05_2|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --cpus 2,3 --json-out $Q/pin05_2.json --workdir $Q/w/pin05
-pin05_4|$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --cpus 0-3 --json-out $Q/pin05_4.json --workdir $Q/w/pin05
+pin05_all|lscpu; lscpu -e; $PIN --json-out $Q/pin05_all.json
+pin05_1|$PIN --cpus 3 --json-out $Q/pin05_1.json
+pin05_2|$PIN --cpus 2,3 --json-out $Q/pin05_2.json
+pin05_4|$PIN --cpus 0-3 --json-out $Q/pin05_4.json
 engines05|$PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 1,2,4 --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/engines05.json --workdir $Q/w/engines05
 engines05_async|$PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 2,1 --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --json-out $Q/engines05_async.json --workdir $Q/w/engines05
 engines05_mps|export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d && $PY scripts/bench_vllm_engines.py --shape qwen2.5-0.5b --prompts 256 --tokens 256 --engines 1,2,4 --max-model-len 768 --no-prefix-caching --engine-kwargs '{"async_scheduling": false}' --ledger $Q/results.jsonl --json-out $Q/engines05_mps.json --workdir $Q/w/engines05; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc
