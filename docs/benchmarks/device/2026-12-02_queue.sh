@@ -119,8 +119,8 @@ queue() {
   # under plain MPS at 0.5B (2026-12-05) XLA's kernels took the card and the helper's generation starved (3.3 s)
   local MPS_ON="export CUDA_MPS_PIPE_DIRECTORY=$Q/mps CUDA_MPS_LOG_DIRECTORY=$Q/mps && mkdir -p $Q/mps && nvidia-cuda-mps-control -d &&"
   local MPS_OFF="; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
-  # the 7B LoRA update's buffers (docs/benchmarks/device/2026-12-06_lora_update_buffers.py) at 1024 and 2048 tokens
   local PIN="$PY scripts/bench_vllm_sampling.py --shape qwen2.5-0.5b --prompts 256 --n 1 --tokens 256 --repeats 12 --ways no_logprobs --max-model-len 768 --no-prefix-caching --ledger $Q/results.jsonl --workdir $Q/w/pin05"  # the pin05* jobs' one command, held to other CPUs
+  # the 7B LoRA update's buffers (docs/benchmarks/device/2026-12-06_lora_update_buffers.py) at 1024 and 2048 tokens
   local LB="$PY docs/benchmarks/device/2026-12-06_lora_update_buffers.py --shape qwen2.5-7b --tokens 1024,2048 --seq 512 --lora 64 --chunk 256 --ledger $Q/results.jsonl"
   cat <<EOF
 packing05_windows|$PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 64 --budget 8192 --steps 3 --remat dots_attn --attention cudnn --windows on,off --check --ledger $Q/results.jsonl --json-out $Q/packing05_check.json && $PY scripts/bench_packing.py --model qwen2.5-0.5b --seqs 128 --budget 32768 --steps 8 --remat dots_attn --attention cudnn --windows on,off --ledger $Q/results.jsonl --json-out $Q/packing05_windows.json
