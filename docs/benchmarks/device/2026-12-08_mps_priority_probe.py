@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 ROLE = """
 import json, sys, time, torch
