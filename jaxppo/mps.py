@@ -5,8 +5,12 @@ Without MPS the GPU runs one process's context at a time: rollouts one step ahea
 (`rollout.engine_in_trainer=false`) have the helper's decode kernels and XLA's training kernels take turns, and each
 turn costs a context switch. Under MPS every process is a client of one server, so the kernels of both run side by
 side. Measured on one H100 (2026-12-05, docs/benchmarks.md, "1.5B one step ahead again, and under CUDA MPS"): the
-1.5B one-step-ahead step 6.06 s against 6.50 s; at 0.5B it lost (the helper's generation starved beside XLA's
-kernels, 3.31 s against 2.73 s on an H200). So it is a setting for a config to choose, off by default.
+1.5B one-step-ahead step 6.06 s against 6.50 s (5.66 s against 6.10 s with this key, 2026-12-08); at 0.5B it lost
+(the helper's generation starved beside XLA's kernels, 3.31 s against 2.73 s on an H200). So it is a setting for a
+config to choose, off by default. `rollout.cuda_mps_trainer_priority=below_normal` makes the trainer's process a
+client of below-normal priority (`CUDA_MPS_CLIENT_PRIORITY=1`, read when its CUDA context is made) and its helper
+engines' processes normal (`helper_environment`, applied where they are spawned), so that the daemon schedules the
+decode's small kernels ahead of XLA's large ones instead of behind them; not yet measured in a run.
 
 `start` runs before anything in this process touches the GPU (the memory plan's child, JAX, vLLM): a control daemon
 with pipe and log directories of its own (a fresh directory under the system's temporary one, so no other MPS
@@ -32,6 +36,9 @@ from jaxppo.errors import ConfigError, JaxppoError
 
 CONTROL = "nvidia-cuda-mps-control"
 ENV_KEYS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+PRIORITY_KEY = "CUDA_MPS_CLIENT_PRIORITY"  # a client's priority among the daemon's clients: 0 normal, 1 below normal
+HELPER_PRIORITY_KEY = "JAXPPO_MPS_HELPER_PRIORITY"  # the PRIORITY_KEY a helper engine's process is started with
+PRIORITIES = {"normal": "0", "below_normal": "1"}
 QUIT_TIMEOUT_S = 120.0  # how long the watcher waits for the daemon to answer `quit` before it tells how to stop it
 log = logging.getLogger(__name__)
 
@@ -101,9 +108,22 @@ def start(cfg: Any) -> subprocess.Popen | None:
     watcher = subprocess.Popen([sys.executable, "-c", _WATCH, str(os.getpid()), exe, str(where), str(QUIT_TIMEOUT_S)],
                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     os.environ.update(named)
+    if cfg.rollout.cuda_mps_trainer_priority != "normal":  # this process's CUDA context is made after this
+        os.environ.update({PRIORITY_KEY: PRIORITIES[cfg.rollout.cuda_mps_trainer_priority],
+                           HELPER_PRIORITY_KEY: PRIORITIES["normal"]})
+        log.info("CUDA MPS: the trainer's process a client of %s priority, its helper engines of normal priority",
+                 cfg.rollout.cuda_mps_trainer_priority)
     log.info("CUDA MPS: a daemon of the run's own (pipe and log directory %s): the trainer's and its helpers' "
              "kernels share the card at once; stopped when this process ends", where)
     return watcher
+
+
+def helper_environment() -> dict[str, str]:
+    """What a helper engine's process takes over the trainer's environment: the MPS priority the run gives its
+    helpers (normal) where it gave the trainer's process another (`rollout.cuda_mps_trainer_priority`); else
+    nothing, and a priority the user set for the whole run stays theirs."""
+    v = os.environ.get(HELPER_PRIORITY_KEY)
+    return {} if v is None else {PRIORITY_KEY: v}
 
 
 def check_started(cfg: Any) -> None:

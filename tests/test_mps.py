@@ -170,3 +170,75 @@ def test_the_cli_starts_the_daemon_before_the_memory_plan(tmp_path, monkeypatch)
     with pytest.raises(Planned):
         train.main([*HELPER, f"trainer.default_local_dir={tmp_path / 'run'}"])
     assert order == [("mps", True), "plan"]
+
+
+def test_the_trainers_priority_needs_mps_and_every_engine_in_a_helper():
+    """`rollout.cuda_mps_trainer_priority=below_normal` is the trainer's process's place among the daemon's clients:
+    refused without the daemon, and with an engine in the trainer's process (it would take that priority too)."""
+    low = "rollout.cuda_mps_trainer_priority=below_normal"
+    assert load_config(None, [*HELPER, low]).rollout.cuda_mps_trainer_priority == "below_normal"
+    for overrides in ([*HELPER[:2], low],
+                      ["rollout.engine=vllm", "rollout.engine_processes=2", "rollout.cuda_mps=true", low]):
+        with pytest.raises(ConfigError, match="rollout.cuda_mps_trainer_priority=below_normal needs "
+                                              "rollout.cuda_mps=true and every engine in a helper process"):
+            load_config(None, overrides)
+    with pytest.raises(ConfigError, match="rollout.cuda_mps_trainer_priority"):
+        load_config(None, [*HELPER, "rollout.cuda_mps_trainer_priority=low"])
+
+
+def test_the_run_sets_the_trainers_mps_priority_and_its_helpers(tmp_path):
+    """`mps.start` with `rollout.cuda_mps_trainer_priority`, in a process of its own: the CUDA_MPS_CLIENT_PRIORITY
+    its CUDA context would then be made with, and what a helper engine's process is to take over it; one case after
+    another, the environment reset between them."""
+    cases = [  # the key, a priority the user set for the whole run, what the trainer then has, what helpers take
+        ("below_normal", None, "1", {mps.PRIORITY_KEY: "0"}),  # the trainer's process below normal, helpers normal
+        ("normal", None, None, {}),  # nothing set: the daemon's default for every client
+        ("normal", "1", "1", {}),  # a priority the user gave the whole run stays the helpers' too
+    ]
+    env = dict(os.environ, PATH=f"{fake_control(tmp_path)}:{os.environ['PATH']}", FAKE_MPS_LOG=str(tmp_path / "log"),
+               PYTHONPATH=str(ROOT))
+    trainer = textwrap.dedent(f"""\
+        import json, os
+        os.environ["FAKE_TRAINER_PID"] = str(os.getpid())
+        from jaxppo import mps
+        from jaxppo.config import load_config
+        for priority, user_priority, _, _ in {[c for c in cases]!r}:
+            for k in (mps.PRIORITY_KEY, mps.HELPER_PRIORITY_KEY):
+                os.environ.pop(k, None)
+            if user_priority is not None:
+                os.environ[mps.PRIORITY_KEY] = user_priority
+            mps.start(load_config(None, {HELPER!r} + [f"rollout.cuda_mps_trainer_priority={{priority}}"]))
+            print(json.dumps([os.environ.get(mps.PRIORITY_KEY), mps.helper_environment()]))
+        """)
+    import json
+
+    out = subprocess.run([sys.executable, "-c", trainer], env=env, stdout=subprocess.PIPE, text=True, check=True,
+                         cwd=tmp_path, timeout=120).stdout.splitlines()[-3:]
+    assert [json.loads(line) for line in out] == [[sees, helpers] for _, _, sees, helpers in cases]
+
+
+def _report_environment(q) -> None:
+    q.put({k: os.environ.get(k) for k in (mps.PRIORITY_KEY, "JAX_PLATFORMS")})
+
+
+def test_a_helper_engine_is_spawned_with_the_helpers_priority_and_jax_on_cpu(monkeypatch):
+    """bridge/engines/vllm_processes.py starts each helper (a spawned interpreter) inside `_helper_environment`:
+    the helper's process has the priority `mps.helper_environment` names and JAX on CPU, and this process's own
+    environment is as it was after the start."""
+    import multiprocessing
+
+    from bridge.engines.vllm_processes import _helper_environment
+
+    monkeypatch.setenv(mps.PRIORITY_KEY, "1")  # as mps.start leaves a trainer of below-normal priority
+    monkeypatch.setenv(mps.HELPER_PRIORITY_KEY, "0")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_report_environment, args=(q,))
+    with _helper_environment():
+        proc.start()
+    try:
+        assert q.get(timeout=120) == {mps.PRIORITY_KEY: "0", "JAX_PLATFORMS": "cpu"}
+    finally:
+        proc.join(timeout=120)
+    assert os.environ[mps.PRIORITY_KEY] == "1" and "JAX_PLATFORMS" not in os.environ

@@ -51,17 +51,22 @@ CALL_TIMEOUT_S = 3600.0  # one generation, push, sleep or wake
 
 
 @contextlib.contextmanager
-def _jax_on_cpu():
-    """The environment a helper starts with: JAX_PLATFORMS=cpu (this process's own setting restored after)."""
-    before = os.environ.get("JAX_PLATFORMS")
-    os.environ["JAX_PLATFORMS"] = "cpu"
+def _helper_environment():
+    """The environment a helper starts with (this process's own settings restored after): JAX_PLATFORMS=cpu, and
+    the MPS priority the run gives its helpers (jaxppo.mps.helper_environment)."""
+    from jaxppo import mps
+
+    changes = {"JAX_PLATFORMS": "cpu", **mps.helper_environment()}
+    before = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["JAX_PLATFORMS"]
-        else:
-            os.environ["JAX_PLATFORMS"] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def _serve(conn, model_dir: str, kwargs: dict[str, Any]) -> None:
@@ -127,7 +132,7 @@ class VLLMProcesses:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_serve, args=(child, str(model_dir), kwargs), daemon=True,
                                    name=f"jaxppo-vllm-{i}")
-                with _jax_on_cpu():  # the child imports JAX before _serve runs (the weight types): not on the card
+                with _helper_environment():  # the child imports JAX before _serve runs (the weight types): on CPU
                     proc.start()
                 child.close()
                 self._conns.append(parent)

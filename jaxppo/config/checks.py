@@ -82,6 +82,7 @@ CLOSED_SETS: dict[str, tuple] = {
     "critic.optim.lr_schedule": ("constant", "cosine"),
     "rollout.engine": ROLLOUT_ENGINES,
     "rollout.cudagraph_mode": CUDAGRAPH_MODES,
+    "rollout.cuda_mps_trainer_priority": ("normal", "below_normal"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "reward.reward_model_combine": ("replace", "add"),
     "algorithm.filter_groups.metric": ("score", "seq_reward", "acc"),
@@ -289,6 +290,10 @@ def _check_vllm_scheduler(cfg: Config) -> None:
            "rollout.cuda_mps=true needs vLLM in a helper process (rollout.engine=vllm with "
            "rollout.engine_in_trainer=false or rollout.engine_processes > 1): with one process there is nothing "
            "for MPS to run side by side")
+    _check(r.cuda_mps_trainer_priority == "normal" or (r.cuda_mps and not r.engine_in_trainer),
+           "rollout.cuda_mps_trainer_priority=below_normal needs rollout.cuda_mps=true and every engine in a helper "
+           "process (rollout.engine_in_trainer=false): it is the priority of the trainer's process among the MPS "
+           "daemon's clients, and an engine in that process would take it too")
     _check(r.cudagraph_capture_sizes is None or all(int(b) >= 1 for b in r.cudagraph_capture_sizes),
            f"rollout.cudagraph_capture_sizes: decode batch sizes >= 1, got {r.cudagraph_capture_sizes}")
     from jaxppo.rollout import own_engine_arg

@@ -199,6 +199,10 @@ class RolloutConfig:
     # a CUDA MPS daemon of the run's own, so the trainer's and its helper engines' kernels share the card at once
     # instead of in time slices (jaxppo/mps.py): vLLM with a helper process only; needs nvidia-cuda-mps-control
     cuda_mps: bool = False
+    # under that daemon, the trainer's process a client of this priority (CUDA_MPS_CLIENT_PRIORITY; the helper
+    # engines always normal): below_normal lets the decode's small kernels be scheduled ahead of XLA's large ones,
+    # which starve it at 0.5B under plain MPS (jaxppo/mps.py); normal | below_normal
+    cuda_mps_trainer_priority: str = "normal"
     free_cache_engine: bool = True  # put the engine to sleep (KV cache and weights freed) outside generation
     # the engine's log-prob of every sampled token on every step (verl's key; actor.tis_threshold turns it on).
     # Off: on every 8th step only, for the rollout/* mismatch metrics and the health rule (jaxppo/step.py)

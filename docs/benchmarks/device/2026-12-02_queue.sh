@@ -49,6 +49,9 @@ queue() {
   # critic05_helper: the same with the engine in a helper process (rollout.engine_in_trainer=false)
   # *_cudamps: a committed one-step-ahead config with rollout.cuda_mps=true (the run's own MPS daemon, jaxppo/mps.py,
   # started by the benchmark itself as the trainer would: no queue daemon)
+  # *_cudamps_low: the same with rollout.cuda_mps_trainer_priority=below_normal (the trainer's process a client of
+  # below-normal priority, the helper engine normal: the decode's small kernels ahead of XLA's); mpsprio: whether MPS
+  # client priority does that at all, torch only, no kit (docs/benchmarks/device/2026-12-08_mps_priority_probe.py)
   # lora7b_buffers: the 7B LoRA update compiled at 1024 and 2048 tokens (no allocation), every layer unrolled (as
   # committed) then 4 layers per loop iteration: the fixed part of its temporaries (~13 GiB in the H100 plan's
   # probes; on CPU the unrolled update holds a copy of every layer's weights, a loop none) and the largest values
@@ -139,6 +142,10 @@ async15_helper_mps80|export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=80 && $MPS_ON $B -
 lora7b_ahead_helper_mps|$MPS_ON $B --config configs/gsm8k_qwen2.5_7b_lora_ahead.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_helper_mps.json --workdir $Q/w/lora7b_ahead_helper_mps $MPS_OFF
 lora7b_ahead_cudamps|$B --config configs/gsm8k_qwen2.5_7b_lora_ahead.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_cudamps.json --workdir $Q/w/lora7b_ahead_cudamps rollout.cuda_mps=true
 ahead15_cudamps|$B --config configs/gsm8k_qwen2.5_1.5b_ahead.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/ahead15_cudamps.json --workdir $Q/w/ahead15_cudamps rollout.cuda_mps=true
+ahead05_cudamps|$B --config configs/gsm8k_qwen2.5_0.5b_ahead.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/ahead05_cudamps.json --workdir $Q/w/ahead05_cudamps rollout.cuda_mps=true
+ahead05_cudamps_low|$B --config configs/gsm8k_qwen2.5_0.5b_ahead.yaml --shape qwen2.5-0.5b --steps 10 --no-standalone --json-out $Q/ahead05_cudamps_low.json --workdir $Q/w/ahead05_cudamps_low rollout.cuda_mps=true rollout.cuda_mps_trainer_priority=below_normal
+ahead15_cudamps_low|$B --config configs/gsm8k_qwen2.5_1.5b_ahead.yaml --shape qwen2.5-1.5b --steps 10 --no-standalone --json-out $Q/ahead15_cudamps_low.json --workdir $Q/w/ahead15_cudamps_low rollout.cuda_mps=true rollout.cuda_mps_trainer_priority=below_normal
+mpsprio|$PY docs/benchmarks/device/2026-12-08_mps_priority_probe.py --out $Q/mps_priority.jsonl
 lora7b_ahead_inproc|$B --config configs/gsm8k_qwen2.5_7b_lora_ahead.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_ahead_inproc.json --workdir $Q/w/lora7b_ahead_inproc rollout.engine_in_trainer=true
 lora7b_bypass_awake|$B --config configs/gsm8k_qwen2.5_7b_lora.yaml --shape qwen2.5-7b --steps 10 --no-standalone --json-out $Q/lora7b_bypass_awake.json --workdir $Q/w/lora7b_bypass_awake algorithm.rollout_correction.bypass_mode=true rollout.free_cache_engine=false
 sync05_noprefix|$B --config configs/gsm8k_qwen2.5_0.5b.yaml --shape qwen2.5-0.5b --steps 10 --json-out $Q/sync05_noprefix.json --workdir $Q/w/sync05_noprefix rollout.enable_prefix_caching=false
@@ -225,7 +232,7 @@ run_queue() {
   chosen | while IFS='|' read -r name cmd; do
     # a job that needs vLLM waits for the kit (its last part may arrive after the queue started: on 2026-12-06 a
     # config check queued after a 54 s JAX-only job started before it and ended at once, no module named vllm)
-    case "$name" in *buffers*) ;; *)
+    case "$name" in *buffers*|mpsprio) ;; *)
       n=0; while [ ! -f /tmp/site/.kit-ready ] && [ $n -lt 120 ]; do sleep 5; n=$((n + 1)); done ;;
     esac
     echo "$(date +%T) start $name" >> $Q/summary.log
