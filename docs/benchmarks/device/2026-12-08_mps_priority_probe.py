@@ -3,9 +3,9 @@ process's small kernels go first beside a training-like process's large ones (to
 
 A "trainer" process multiplies 8192 x 8192 bf16 matrices back to back for a fixed time; a "decoder" process, started
 once the trainer is busy, runs steps of 48 small matmuls (256 x 896 by 896 x 4864, a 0.5B model's MLP shape), each
-step synchronised, and records its steps' milliseconds. Four phases, each a fresh pair of processes:
-alone (decoder only), time-sliced (both, no MPS), MPS (both clients of one daemon, equal priority), MPS with the
-trainer at below-normal priority. Prints one JSON line per phase (decoder step ms median / p90, trainer TFLOP/s) and
+step synchronised, and records its steps' milliseconds. Phases, each a fresh pair of processes: alone (decoder
+only), time-sliced (both, no MPS), MPS (both clients of one daemon, equal priority), MPS with the trainer at
+below-normal priority, and the decoder's work on a stream of the highest priority (time-sliced and under MPS). Prints one JSON line per phase (decoder step ms median / p90, trainer TFLOP/s) and
 writes them to --out. Usage (on the GPU machine, torch's interpreter):
     python docs/benchmarks/device/2026-12-08_mps_priority_probe.py --out $OUT/mps_priority.jsonl
 """
@@ -41,6 +41,8 @@ if role == "trainer":
     dt = time.perf_counter() - t0
     print(json.dumps({"trainer_tflops": 2 * 8192 ** 3 * n / dt / 1e12}), flush=True)
 else:
+    if role == "decoder_high":  # its work on a stream of the highest priority instead of the default stream
+        torch.cuda.set_stream(torch.cuda.Stream(priority=-100))  # out of range: clamped to the highest
     x = torch.randn(256, 896, device=dev, dtype=torch.bfloat16)
     w = torch.randn(896, 4864, device=dev, dtype=torch.bfloat16)
     for _ in range(20):
@@ -72,13 +74,13 @@ def _last_json(proc: subprocess.Popen) -> dict:
     return json.loads(rows[-1])
 
 
-def phase(name: str, env: dict, trainer_env: dict | None, seconds: float) -> dict:
+def phase(name: str, env: dict, trainer_env: dict | None, seconds: float, decoder: str = "decoder") -> dict:
     trainer = None
     if trainer_env is not None:
         trainer = _start("trainer", seconds + 4.0, trainer_env)
         assert trainer.stdout.readline().strip() == "ready", "the trainer process did not start"
-    decoder = _start("decoder", seconds, env)
-    row = {"phase": name, **_last_json(decoder)}
+    proc = _start(decoder, seconds, env)
+    row = {"phase": name, **_last_json(proc)}
     if trainer is not None:
         row.update(_last_json(trainer))
     print(json.dumps(row), flush=True)
@@ -93,7 +95,8 @@ def main() -> None:
     base = dict(os.environ)
     for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_CLIENT_PRIORITY"):
         base.pop(k, None)
-    rows = [phase("alone", base, None, args.seconds), phase("time_sliced", base, base, args.seconds)]
+    rows = [phase("alone", base, None, args.seconds), phase("time_sliced", base, base, args.seconds),
+            phase("time_sliced_decoder_high_stream", base, base, args.seconds, decoder="decoder_high")]
     where = tempfile.mkdtemp(prefix="mps-prio-")
     mps = dict(base, CUDA_MPS_PIPE_DIRECTORY=where, CUDA_MPS_LOG_DIRECTORY=where)
     subprocess.run(["nvidia-cuda-mps-control", "-d"], env=mps, check=True)
@@ -101,6 +104,7 @@ def main() -> None:
         rows.append(phase("mps", mps, mps, args.seconds))
         rows.append(phase("mps_trainer_below_normal", dict(mps, CUDA_MPS_CLIENT_PRIORITY="0"),
                           dict(mps, CUDA_MPS_CLIENT_PRIORITY="1"), args.seconds))
+        rows.append(phase("mps_decoder_high_stream", mps, mps, args.seconds, decoder="decoder_high"))
         rows.append(phase("mps_alone", mps, None, args.seconds))
     finally:
         subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=mps, text=True, timeout=60)
