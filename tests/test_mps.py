@@ -202,7 +202,7 @@ def test_the_run_sets_the_trainers_mps_priority_and_its_helpers(tmp_path):
         os.environ["FAKE_TRAINER_PID"] = str(os.getpid())
         from jaxppo import mps
         from jaxppo.config import load_config
-        for priority, user_priority, _, _ in {[c for c in cases]!r}:
+        for priority, user_priority in {[(key, user) for key, user, _, _ in cases]!r}:
             for k in (mps.PRIORITY_KEY, mps.HELPER_PRIORITY_KEY):
                 os.environ.pop(k, None)
             if user_priority is not None:

@@ -82,7 +82,6 @@ CLOSED_SETS: dict[str, tuple] = {
     "critic.optim.lr_schedule": ("constant", "cosine"),
     "rollout.engine": ROLLOUT_ENGINES,
     "rollout.cudagraph_mode": CUDAGRAPH_MODES,
-    "rollout.cuda_mps_trainer_priority": ("normal", "below_normal"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "reward.reward_model_combine": ("replace", "add"),
     "algorithm.filter_groups.metric": ("score", "seq_reward", "acc"),
@@ -96,6 +95,7 @@ def _registry_sets() -> dict[str, tuple]:
     """Closed sets whose values come from registries and module constants."""
     from jaxppo.data import TRUNCATION_MODES
     from jaxppo.health import ACTIONS, SPECS
+    from jaxppo.mps import PRIORITIES
     from jaxppo.ppo import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
     from jaxppo.ppo.policy_losses import POLICY_LOSSES
 
@@ -105,6 +105,7 @@ def _registry_sets() -> dict[str, tuple]:
             "algorithm.kl_penalty": tuple(k for k in KL_ESTIMATORS.names() if k != "full"),
             "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS.names()),
             "actor.policy_loss.loss_mode": tuple(POLICY_LOSSES.names()),
+            "rollout.cuda_mps_trainer_priority": tuple(PRIORITIES),
             **{f"trainer.health.{rule}.action": ACTIONS for rule in SPECS}}
 
 

@@ -5,8 +5,9 @@ A "trainer" process multiplies 8192 x 8192 bf16 matrices back to back for a fixe
 once the trainer is busy, runs steps of 48 small matmuls (256 x 896 by 896 x 4864, a 0.5B model's MLP shape), each
 step synchronised, and records its steps' milliseconds. Phases, each a fresh pair of processes: alone (decoder
 only), time-sliced (both, no MPS), MPS (both clients of one daemon, equal priority), MPS with the trainer at
-below-normal priority, and the decoder's work on a stream of the highest priority (time-sliced and under MPS). Prints one JSON line per phase (decoder step ms median / p90, trainer TFLOP/s) and
-writes them to --out. Usage (on the GPU machine, torch's interpreter):
+below-normal priority, and the decoder's work on a stream of the highest priority (time-sliced and under MPS).
+Prints one JSON line per phase (decoder step ms median / p90, trainer TFLOP/s) and writes them to --out.
+Usage (on the GPU machine, torch's interpreter):
     python docs/benchmarks/device/2026-12-08_mps_priority_probe.py --out $OUT/mps_priority.jsonl
 """
 
